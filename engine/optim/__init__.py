@@ -1,0 +1,128 @@
+"""Functional optimizers: gradient transformations as pure ``init`` / ``update`` functions.
+
+Named optimizers (:func:`sgd`, :func:`adam`, :func:`adamw`, :func:`rmsprop`, :func:`adagrad`,
+:func:`lion`) take torch.optim's arguments and reproduce it bitwise; they are :func:`chain` s of
+the small transforms also exported here. :func:`from_torch` runs any other torch.optim class.
+Learning-rate schedules (:mod:`engine.optim.schedules`) are re-exported here.
+
+Example:
+    >>> import torch
+    >>> from engine import optim
+    >>> tx = optim.chain(optim.clip_by_global_norm(1.0),
+    ...                  optim.adamw(optim.warmup_cosine(1e-3, 10, 100)))
+    >>> params = {"w": torch.ones(3)}
+    >>> state = tx.init(params)
+    >>> params, state = optim.apply_gradients(tx, {"w": torch.ones(3)}, state, params, step=0)
+"""
+
+from engine.optim import schedules
+from engine.optim.adaptive import (
+    ScaleByAdagradState,
+    ScaleByAdamState,
+    ScaleByLionState,
+    ScaleByRmsState,
+    scale_by_adagrad,
+    scale_by_adam,
+    scale_by_lion,
+    scale_by_rms,
+)
+from engine.optim.aliases import adagrad, adam, adamw, lion, rmsprop, sgd
+from engine.optim.base import (
+    GradientTransformation,
+    OptState,
+    Params,
+    ScheduleLike,
+    Updates,
+    apply_gradients,
+    apply_updates,
+    chain,
+    identity,
+    load_state_dict,
+    state_dict,
+)
+from engine.optim.masking import (
+    MaskedState,
+    MultiTransformState,
+    decay_mask,
+    masked,
+    multi_transform,
+)
+from engine.optim.schedules import (
+    constant,
+    cosine_decay,
+    exponential,
+    linear,
+    multistep_lr,
+    one_cycle,
+    step_lr,
+    warmup_cosine,
+)
+from engine.optim.torch_adapter import TorchOptimizerState, from_torch
+from engine.optim.transforms import (
+    TraceState,
+    add_decayed_weights,
+    clip_by_global_norm,
+    clip_by_value,
+    decoupled_weight_decay,
+    scale,
+    scale_by_learning_rate,
+    trace,
+)
+
+__all__ = [
+    # protocol (base)
+    "GradientTransformation",
+    "OptState",
+    "Params",
+    "ScheduleLike",
+    "Updates",
+    "apply_gradients",
+    "apply_updates",
+    "chain",
+    "identity",
+    "load_state_dict",
+    "state_dict",
+    # named optimizers
+    "adagrad",
+    "adam",
+    "adamw",
+    "lion",
+    "rmsprop",
+    "sgd",
+    "from_torch",
+    # transforms
+    "add_decayed_weights",
+    "clip_by_global_norm",
+    "clip_by_value",
+    "decoupled_weight_decay",
+    "scale",
+    "scale_by_adagrad",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_rms",
+    "trace",
+    # per-parameter options
+    "decay_mask",
+    "masked",
+    "multi_transform",
+    # states
+    "MaskedState",
+    "MultiTransformState",
+    "ScaleByAdagradState",
+    "ScaleByAdamState",
+    "ScaleByLionState",
+    "ScaleByRmsState",
+    "TorchOptimizerState",
+    "TraceState",
+    # schedules (also as the module optim.schedules)
+    "schedules",
+    "constant",
+    "cosine_decay",
+    "exponential",
+    "linear",
+    "multistep_lr",
+    "one_cycle",
+    "step_lr",
+    "warmup_cosine",
+]

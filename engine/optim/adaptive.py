@@ -1,0 +1,347 @@
+"""Adaptive scalers: the moment estimates of Adam, RMSprop, Adagrad and Lion.
+
+Each mirrors the op sequence of torch.optim's foreach implementation (and, for Adam, its fused
+kernel), so the named optimizers in :mod:`engine.optim.aliases` reproduce torch.optim bitwise.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from engine.optim._common import (
+    _check_keys,
+    _check_lr,
+    _check_range,
+    _f64,
+    _increment,
+    _lr_at,
+    _real_only,
+    _steps,
+    _tensor_math,
+    _zeros,
+)
+from engine.optim.base import (
+    GradientTransformation,
+    Params,
+    ScheduleLike,
+    Updates,
+)
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`; ``step`` holds torch.optim-style float32 counters."""
+
+    step: dict[str, Tensor]
+    exp_avg: dict[str, Tensor]
+    exp_avg_sq: dict[str, Tensor]
+    max_exp_avg_sq: dict[str, Tensor]
+
+
+def _adam_moments(g, state: ScaleByAdamState, keys, b1, b2, eps, amsgrad, lr):
+    """Advance the Adam moments in place and return ``(step_size, denom, exp_avgs)`` such that
+    the update is ``step_size * exp_avg / denom``, in torch.optim ``_multi_tensor_adam`` order."""
+    steps = [state.step[k] for k in keys]
+    m = [state.exp_avg[k] for k in keys]
+    v = [state.exp_avg_sq[k] for k in keys]
+    _increment(steps)
+    torch._foreach_lerp_(m, g, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, 1 - b2)
+    if amsgrad:
+        vmax = [state.max_exp_avg_sq[k] for k in keys]
+        torch._foreach_maximum_(vmax, v)
+        v = vmax
+    num = -1.0 if lr is None else lr
+    if _tensor_math(steps):
+        bc1 = [1 - torch.pow(b1, _f64(s)) for s in steps]
+        bc2_sqrt = [(1 - torch.pow(b2, _f64(s))).sqrt() for s in steps]
+    else:
+        bc1 = [1 - b1 ** s.item() for s in steps]
+        bc2_sqrt = [(1 - b2 ** s.item()) ** 0.5 for s in steps]
+    step_size = [(num / bc) * -1 for bc in bc1]
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    return step_size, denom, m
+
+
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    amsgrad: bool = False,
+    *,
+    lr: ScheduleLike | None = None,
+) -> GradientTransformation:
+    """Adam's rescaling: ``m_hat / (sqrt(v_hat) + eps)`` with bias-corrected moments.
+
+    Args:
+        b1, b2: decay rates of the first and second moments, in ``[0, 1)``.
+        eps: added to the denominator (after the square root, as torch.optim does).
+        amsgrad: normalise by the running maximum of the second moment.
+        lr: when given, the learning rate is folded in and the output is the final update
+            ``-lr * m_hat / (sqrt(v_hat) + eps)``, computed in torch.optim's op order; the
+            terminal ``apply`` then is torch.optim.Adam's ``addcdiv_``. When ``None`` the output is
+            the direction, for :func:`scale_by_learning_rate` to scale.
+
+    The state keeps per-parameter float32 ``step`` tensors, like torch.optim.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.scale_by_adam()
+        >>> params = {"w": torch.zeros(2)}
+        >>> u, _ = tx.update({"w": torch.tensor([2.0, -3.0])}, tx.init(params), params, 0)
+        >>> u["w"].round(decimals=4)
+        tensor([ 1., -1.])
+    """
+    b1, b2 = _check_range("b1", b1, 0.0, 1.0), _check_range("b2", b2, 0.0, 1.0)
+    eps = _check_range("eps", eps, 0.0)
+    if lr is not None:
+        lr = _check_lr(lr)
+
+    def init(params: Params) -> ScaleByAdamState:
+        _real_only(params, "scale_by_adam")
+        return ScaleByAdamState(
+            _steps(params), _zeros(params), _zeros(params), _zeros(params) if amsgrad else {}
+        )
+
+    def update(updates: Updates, state: ScaleByAdamState, params: Params, step: int):
+        if not updates:
+            return updates, state
+        _check_keys(updates, state.exp_avg, "scale_by_adam")
+        keys = list(updates)
+        lr_now = None if lr is None else _lr_at(lr, step)
+        step_size, denom, m = _adam_moments(
+            [updates[k] for k in keys], state, keys, b1, b2, eps, amsgrad, lr_now
+        )
+        out = torch._foreach_mul(m, step_size)
+        torch._foreach_div_(out, denom)
+        return dict(zip(keys, out, strict=True)), state
+
+    def apply(grads: Updates, state: ScaleByAdamState, params: Params, step: int):
+        if not grads:
+            return state
+        _check_keys(grads, state.exp_avg, "scale_by_adam")
+        keys = list(grads)
+        step_size, denom, m = _adam_moments(
+            [grads[k] for k in keys], state, keys, b1, b2, eps, amsgrad, _lr_at(lr, step)
+        )
+        plist = [params[k] for k in keys]
+        if isinstance(step_size[0], Tensor):
+            out = torch._foreach_mul(m, step_size)
+            torch._foreach_div_(out, denom)
+            torch._foreach_add_(plist, out)
+        else:
+            torch._foreach_addcdiv_(plist, m, denom, step_size)
+        return state
+
+    return GradientTransformation(init, update, None if lr is None else apply)
+
+
+class ScaleByRmsState(NamedTuple):
+    """State of :func:`scale_by_rms` (``grad_avg`` is empty unless centered)."""
+
+    square_avg: dict[str, Tensor]
+    grad_avg: dict[str, Tensor]
+
+
+def scale_by_rms(
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    centered: bool = False,
+    *,
+    lr: ScheduleLike | None = None,
+) -> GradientTransformation:
+    """RMSprop's rescaling ``u / (sqrt(E[u^2] (- E[u]^2 if centered)) + eps)``, no bias correction.
+
+    Args:
+        alpha: smoothing constant of the running averages.
+        eps: added after the square root, as torch.optim.RMSprop does.
+        centered: subtract the squared running mean of the updates (centered RMSprop).
+        lr: when given, the output is ``-lr * u / denom`` in torch.optim's op order and the
+            terminal ``apply`` is RMSprop's ``addcdiv_`` (momentum-free RMSprop).
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.scale_by_rms(alpha=0.0, eps=0.0)
+        >>> params = {"w": torch.zeros(2)}
+        >>> tx.update({"w": torch.tensor([2.0, -3.0])}, tx.init(params), params, 0)[0]["w"]
+        tensor([ 1., -1.])
+    """
+    alpha = _check_range("alpha", alpha, 0.0)
+    eps = _check_range("eps", eps, 0.0)
+    if lr is not None:
+        lr = _check_lr(lr)
+
+    def init(params: Params) -> ScaleByRmsState:
+        _real_only(params, "scale_by_rms")
+        return ScaleByRmsState(_zeros(params), _zeros(params) if centered else {})
+
+    def denominator(g: list[Tensor], state: ScaleByRmsState, keys: list[str]) -> list[Tensor]:
+        sq = [state.square_avg[k] for k in keys]
+        torch._foreach_mul_(sq, alpha)
+        torch._foreach_addcmul_(sq, g, g, value=1 - alpha)
+        if centered:
+            ga = [state.grad_avg[k] for k in keys]
+            torch._foreach_lerp_(ga, g, 1 - alpha)
+            avg = torch._foreach_addcmul(sq, ga, ga, value=-1)
+            torch._foreach_sqrt_(avg)
+        else:
+            avg = torch._foreach_sqrt(sq)
+        torch._foreach_add_(avg, eps)
+        return avg
+
+    def update(updates: Updates, state: ScaleByRmsState, params: Params, step: int):
+        if not updates:
+            return updates, state
+        _check_keys(updates, state.square_avg, "scale_by_rms")
+        keys = list(updates)
+        g = [updates[k] for k in keys]
+        avg = denominator(g, state, keys)
+        if lr is not None:
+            torch._foreach_mul_(g, -_lr_at(lr, step))
+        torch._foreach_div_(g, avg)
+        return updates, state
+
+    def apply(grads: Updates, state: ScaleByRmsState, params: Params, step: int):
+        if not grads:
+            return state
+        _check_keys(grads, state.square_avg, "scale_by_rms")
+        keys = list(grads)
+        g = [grads[k] for k in keys]
+        avg = denominator(g, state, keys)
+        torch._foreach_addcdiv_([params[k] for k in keys], g, avg, value=-_lr_at(lr, step))
+        return state
+
+    return GradientTransformation(init, update, None if lr is None else apply)
+
+
+class ScaleByAdagradState(NamedTuple):
+    """State of :func:`scale_by_adagrad`: step counters and sums of squares."""
+
+    step: dict[str, Tensor]
+    sum: dict[str, Tensor]
+
+
+def scale_by_adagrad(
+    lr_decay: float = 0.0,
+    eps: float = 1e-10,
+    initial_accumulator_value: float = 0.0,
+    *,
+    lr: ScheduleLike | None = None,
+) -> GradientTransformation:
+    """Adagrad's rescaling ``u / (sqrt(sum u^2) + eps) / (1 + (t - 1) * lr_decay)``.
+
+    Args:
+        lr_decay: decay of the step size with the per-parameter step count ``t``.
+        eps: added after the square root.
+        initial_accumulator_value: starting value of the sum of squares.
+        lr: when given, the output is the final ``-lr``-scaled update in torch.optim's op order
+            and the terminal ``apply`` is torch.optim.Adagrad's ``addcdiv_``.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.scale_by_adagrad(eps=0.0)
+        >>> params = {"w": torch.zeros(2)}
+        >>> tx.update({"w": torch.tensor([2.0, -3.0])}, tx.init(params), params, 0)[0]["w"]
+        tensor([ 1., -1.])
+    """
+    lr_decay = _check_range("lr_decay", lr_decay, 0.0)
+    eps = _check_range("eps", eps, 0.0)
+    init_acc = _check_range("initial_accumulator_value", initial_accumulator_value, 0.0)
+    if lr is not None:
+        lr = _check_lr(lr)
+
+    def init(params: Params) -> ScaleByAdagradState:
+        _real_only(params, "scale_by_adagrad")
+        sums = {
+            k: torch.full_like(p, init_acc, memory_format=torch.preserve_format)
+            for k, p in params.items()
+        }
+        return ScaleByAdagradState(_steps(params), sums)
+
+    def numerator_and_std(g, state, keys, lr_now):
+        steps = [state.step[k] for k in keys]
+        _increment(steps)
+        num = 1.0 if lr_now is None else -lr_now
+        if _tensor_math(steps):
+            clr = [num / (1 + (_f64(s) - 1) * lr_decay) for s in steps]
+        else:
+            clr = [num / (1 + (s.item() - 1) * lr_decay) for s in steps]
+        sums = [state.sum[k] for k in keys]
+        torch._foreach_addcmul_(sums, g, g, value=1)
+        std = torch._foreach_sqrt(sums)
+        torch._foreach_add_(std, eps)
+        torch._foreach_mul_(g, clr)
+        return std
+
+    def update(updates: Updates, state: ScaleByAdagradState, params: Params, step: int):
+        if not updates:
+            return updates, state
+        _check_keys(updates, state.sum, "scale_by_adagrad")
+        keys = list(updates)
+        g = [updates[k] for k in keys]
+        lr_now = None if lr is None else _lr_at(lr, step)
+        std = numerator_and_std(g, state, keys, lr_now)
+        torch._foreach_div_(g, std)
+        return updates, state
+
+    def apply(grads: Updates, state: ScaleByAdagradState, params: Params, step: int):
+        if not grads:
+            return state
+        _check_keys(grads, state.sum, "scale_by_adagrad")
+        keys = list(grads)
+        g = [grads[k] for k in keys]
+        std = numerator_and_std(g, state, keys, _lr_at(lr, step))
+        torch._foreach_addcdiv_([params[k] for k in keys], g, std)
+        return state
+
+    return GradientTransformation(init, update, None if lr is None else apply)
+
+
+class ScaleByLionState(NamedTuple):
+    """State of :func:`scale_by_lion`: the momentum."""
+
+    exp_avg: dict[str, Tensor]
+
+
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
+    """Lion's direction ``sign(b1 * m + (1 - b1) * u)``, then ``m = b2 * m + (1 - b2) * u``.
+
+    From "Symbolic Discovery of Optimization Algorithms" (Chen et al., 2023), Algorithm 2.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.scale_by_lion()
+        >>> params = {"w": torch.zeros(2)}
+        >>> tx.update({"w": torch.tensor([2.0, -3.0])}, tx.init(params), params, 0)[0]["w"]
+        tensor([ 1., -1.])
+    """
+    b1, b2 = _check_range("b1", b1, 0.0, 1.0), _check_range("b2", b2, 0.0, 1.0)
+
+    def init(params: Params) -> ScaleByLionState:
+        _real_only(params, "scale_by_lion")
+        return ScaleByLionState(_zeros(params))
+
+    def update(updates: Updates, state: ScaleByLionState, params: Params, step: int):
+        if not updates:
+            return updates, state
+        _check_keys(updates, state.exp_avg, "scale_by_lion")
+        keys = list(updates)
+        g = [updates[k] for k in keys]
+        m = [state.exp_avg[k] for k in keys]
+        c = torch._foreach_mul(m, b1)
+        torch._foreach_add_(c, g, alpha=1 - b1)
+        torch._foreach_sign_(c)
+        torch._foreach_mul_(m, b2)
+        torch._foreach_add_(m, g, alpha=1 - b2)
+        return dict(zip(keys, c, strict=True)), state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,448 @@
+"""Named optimizers with torch.optim's arguments and defaults, built as chains of transforms.
+
+Each alias reproduces its ``torch.optim`` namesake: under :func:`~engine.optim.apply_gradients`
+the chain's terminal ``apply`` runs the same kernel sequence as torch.optim's foreach
+implementation (bitwise equal parameters). ``adam`` / ``adamw`` default to the fused kernels
+``torch._fused_adam_`` / ``_fused_adamw_`` (bitwise equal to ``torch.optim.X(fused=True)``; one
+kernel, no temporaries); ``sgd(fused=True)`` uses ``torch._fused_sgd_``. The composable ``update``
+form agrees with torch.optim to float rounding (about 1e-7 relative per step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from engine.optim._common import Mask, _check_betas, _check_lr, _check_range, _lr_at
+from engine.optim.adaptive import scale_by_adagrad, scale_by_adam, scale_by_lion, scale_by_rms
+from engine.optim.base import (
+    GradientTransformation,
+    OptState,
+    Params,
+    ScheduleLike,
+    Updates,
+    apply_updates,
+    chain,
+)
+from engine.optim.masking import _resolve, masked
+from engine.optim.transforms import (
+    add_decayed_weights,
+    decoupled_weight_decay,
+    scale,
+    scale_by_learning_rate,
+    trace,
+)
+
+# Device types with fused optimizer kernels (torch.optim's _get_fused_kernels_supported_devices).
+_FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu")
+
+# A fused step for one (device, dtype, decay) group:
+# kernel(keys, grads, opt_state, params, step, decay), decay=False meaning weight_decay=0.
+FusedKernel = Callable[[list[str], Updates, OptState, Params, int, bool], None]
+
+
+def _fused_supported(p: torch.Tensor) -> bool:
+    return torch.is_floating_point(p) and p.device.type in _FUSED_DEVICES and not p.is_sparse
+
+
+def _check_mask(mask: Mask | None) -> Mask | None:
+    if mask is not None and not (callable(mask) or isinstance(mask, Mapping)):
+        raise TypeError(
+            f"'mask' must be a dict {{name: bool}} or a callable params -> dict such as "
+            f"optim.decay_mask (got {type(mask).__name__})"
+        )
+    return mask
+
+
+def _decay(tx: GradientTransformation, mask: Mask | None) -> GradientTransformation:
+    """``tx`` (a weight-decay transform) restricted to ``mask`` when one is given."""
+    return tx if mask is None else masked(tx, mask)
+
+
+def _with_fused(
+    base: GradientTransformation,
+    kernel: FusedKernel,
+    fused: bool | None,
+    name: str,
+    mask: Mask | None,
+) -> GradientTransformation:
+    """``base`` with a terminal ``apply`` that runs ``kernel`` per (device, dtype, decay) group.
+
+    ``fused=None`` uses the kernel when every parameter supports it and otherwise falls back to
+    ``base``; ``fused=True`` raises on unsupported parameters; ``fused=False`` returns ``base``.
+    Under ``torch.compile`` the fused kernels cannot be functionalised, so the compiled step
+    always takes ``base`` (torch.optim's foreach sequence, which Inductor fuses).
+    """
+    if fused is False:
+        return base
+    if fused not in (None, True):
+        raise ValueError(f"{name}: 'fused' must be True, False or None (got {fused!r})")
+
+    def fallback(grads: Updates, state: OptState, params: Params, step: int) -> OptState:
+        if base.apply is not None:
+            return base.apply(grads, state, params, step)
+        updates, state = base.update(grads, state, params, step)
+        apply_updates(params, updates)
+        return state
+
+    def apply(grads: Updates, state: OptState, params: Params, step: int) -> OptState:
+        if not grads or torch.compiler.is_compiling():
+            return fallback(grads, state, params, step) if grads else state
+        bad = [k for k, p in params.items() if not _fused_supported(p)]
+        if bad and fused is None:
+            return fallback(grads, state, params, step)
+        if bad:
+            p = params[bad[0]]
+            raise ValueError(
+                f"{name}(fused=True): parameter {bad[0]!r} is {p.dtype} on {p.device}, which the "
+                f"fused kernel does not support (it needs floating point tensors on "
+                f"{'/'.join(_FUSED_DEVICES)}); pass fused=None to fall back to the foreach path"
+            )
+        decays = _resolve(mask, params, "mask") if mask is not None else None
+        groups: dict[tuple, list[str]] = {}
+        for k, p in params.items():
+            groups.setdefault((p.device, p.dtype, decays is None or bool(decays[k])), []).append(k)
+        for (_, _, decay), keys in groups.items():
+            kernel(keys, grads, state, params, step, decay)
+        return state
+
+    return GradientTransformation(base.init, base.update, apply)
+
+
+def sgd(
+    lr: ScheduleLike = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+    *,
+    mask: Mask | None = None,
+    fused: bool | None = False,
+) -> GradientTransformation:
+    """Stochastic gradient descent, as torch.optim.SGD.
+
+    ``chain([scale(-1)], [add_decayed_weights], [trace], scale_by_learning_rate)``; the momentum
+    buffer is set to the first gradient on step 0, like torch.optim.
+
+    Args:
+        lr: learning rate (float or schedule ``step -> lr``).
+        momentum, dampening, nesterov: heavy-ball momentum options of torch.optim.SGD.
+        weight_decay: L2 penalty added to the gradient.
+        maximize: ascend the objective instead.
+        mask: which parameters get weight decay: ``{name: bool}`` or a callable
+            ``params -> {name: bool}`` such as :func:`~engine.optim.decay_mask`; default all.
+        fused: use ``torch._fused_sgd_`` (``None``: when the params' device/dtype support it).
+            Off by default, like torch.optim.SGD, whose default foreach path this matches
+            bitwise (SGD is one memory-bound pass either way, so fusing gains little).
+
+    Returns:
+        The optimizer as a :class:`GradientTransformation`.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.sgd(0.1, momentum=0.9)
+        >>> params = {"w": torch.ones(2)}
+        >>> params, state = optim.apply_gradients(tx, {"w": torch.ones(2)}, tx.init(params),
+        ...                                       params, 0)
+        >>> params["w"]
+        tensor([0.9000, 0.9000])
+    """
+    lr = _check_lr(lr)
+    mask = _check_mask(mask)
+    momentum = _check_range("momentum", momentum, 0.0)
+    weight_decay = _check_range("weight_decay", weight_decay, 0.0)
+    members = [scale(-1.0)] if maximize else []
+    if weight_decay != 0:
+        members.append(_decay(add_decayed_weights(weight_decay), mask))
+    trace_at = len(members)
+    if momentum != 0 or nesterov:
+        members.append(trace(momentum, dampening, nesterov))
+    members.append(scale_by_learning_rate(lr))
+    base = chain(*members)
+
+    def kernel(keys, grads, state, params, step, decay) -> None:
+        bufs = [state[trace_at].momentum_buffer[k] for k in keys] if momentum != 0 else []
+        torch._fused_sgd_(
+            [params[k] for k in keys],
+            [grads[k] for k in keys],
+            bufs,
+            weight_decay=weight_decay if decay else 0.0,
+            momentum=momentum,
+            lr=_lr_at(lr, step),
+            dampening=float(dampening),
+            nesterov=nesterov,
+            maximize=maximize,
+            is_first_step=momentum != 0 and step == 0,
+        )
+
+    return _with_fused(base, kernel, fused, "sgd", mask)
+
+
+def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, decoupled, name):
+    lr = _check_lr(lr)
+    mask = _check_mask(mask)
+    b1, b2 = _check_betas(betas)
+    eps = _check_range("eps", eps, 0.0)
+    weight_decay = _check_range("weight_decay", weight_decay, 0.0)
+    members = [scale(-1.0)] if maximize else []
+    if weight_decay != 0 and not decoupled:
+        members.append(_decay(add_decayed_weights(weight_decay), mask))
+    adam_at = len(members)
+    members.append(scale_by_adam(b1, b2, eps, amsgrad, lr=lr))
+    if weight_decay != 0 and decoupled:
+        members.append(_decay(decoupled_weight_decay(weight_decay, lr), mask))
+    base = chain(*members)
+    fused_op = torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+    def kernel(keys, grads, state, params, step, decay) -> None:
+        s = state[adam_at]
+        steps = [s.step[k] for k in keys]
+        torch._foreach_add_(steps, 1)
+        # lr goes in as given (float, SymFloat under torch.compile, or tensor): no .item() here.
+        fused_op(
+            [params[k] for k in keys],
+            [grads[k] for k in keys],
+            [s.exp_avg[k] for k in keys],
+            [s.exp_avg_sq[k] for k in keys],
+            [s.max_exp_avg_sq[k] for k in keys] if amsgrad else [],
+            steps,
+            lr=_lr_at(lr, step),
+            beta1=b1,
+            beta2=b2,
+            weight_decay=weight_decay if decay else 0.0,
+            eps=eps,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
+
+    return _with_fused(base, kernel, fused, name, mask)
+
+
+def adam(
+    lr: ScheduleLike = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    *,
+    mask: Mask | None = None,
+    fused: bool | None = None,
+) -> GradientTransformation:
+    """Adam, as torch.optim.Adam (``weight_decay`` is an L2 penalty on the gradient).
+
+    ``chain([scale(-1)], [add_decayed_weights], scale_by_adam(lr=lr))``. By default the terminal
+    ``apply`` is ``torch._fused_adam_`` (bitwise torch.optim.Adam(fused=True)); with
+    ``fused=False`` it is torch.optim's foreach kernel sequence (bitwise the default
+    torch.optim.Adam).
+
+    Args:
+        lr: learning rate (float or schedule ``step -> lr``).
+        betas: moment decay rates, each in ``[0, 1)``.
+        eps: denominator term.
+        weight_decay: L2 penalty.
+        amsgrad: use the running maximum of the second moment.
+        maximize: ascend the objective instead.
+        mask: which parameters get weight decay: ``{name: bool}`` or a callable
+            ``params -> {name: bool}`` such as :func:`~engine.optim.decay_mask`; default all.
+        fused: use the fused kernel (``None``: when the params' device/dtype support it).
+
+    Returns:
+        The optimizer as a :class:`GradientTransformation`.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.adam(0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> params, state = optim.apply_gradients(tx, {"w": torch.ones(2)}, tx.init(params),
+        ...                                       params, 0)
+        >>> params["w"]
+        tensor([0.9000, 0.9000])
+    """
+    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, False, "adam")
+
+
+def adamw(
+    lr: ScheduleLike = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    *,
+    mask: Mask | None = None,
+    fused: bool | None = None,
+) -> GradientTransformation:
+    """AdamW, as torch.optim.AdamW (decoupled weight decay ``p *= 1 - lr * weight_decay``).
+
+    ``chain([scale(-1)], scale_by_adam(lr=lr), [decoupled_weight_decay])``; fused by default
+    (``torch._fused_adamw_``). ``mask=optim.decay_mask`` skips decay on biases and norm weights
+    (like two torch.optim param groups; the fused kernel then runs once per group).
+
+    Args:
+        lr: learning rate (float or schedule ``step -> lr``).
+        betas: moment decay rates, each in ``[0, 1)``.
+        eps: denominator term.
+        weight_decay: decoupled decay coefficient.
+        amsgrad: use the running maximum of the second moment.
+        maximize: ascend the objective instead.
+        mask: which parameters get weight decay: ``{name: bool}`` or a callable
+            ``params -> {name: bool}`` such as :func:`~engine.optim.decay_mask`; default all.
+        fused: use the fused kernel (``None``: when the params' device/dtype support it).
+
+    Returns:
+        The optimizer as a :class:`GradientTransformation`.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.adamw(0.1, weight_decay=0.5)
+        >>> params = {"w": torch.ones(2)}
+        >>> params, state = optim.apply_gradients(tx, {"w": torch.ones(2)}, tx.init(params),
+        ...                                       params, 0)
+        >>> params["w"]
+        tensor([0.8500, 0.8500])
+    """
+    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, True, "adamw")
+
+
+def rmsprop(
+    lr: ScheduleLike = 1e-2,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    centered: bool = False,
+    maximize: bool = False,
+    *,
+    mask: Mask | None = None,
+) -> GradientTransformation:
+    """RMSprop, as torch.optim.RMSprop.
+
+    ``chain([scale(-1)], [add_decayed_weights], scale_by_rms, [trace, scale_by_learning_rate])``;
+    without momentum the learning rate is folded into ``scale_by_rms`` as torch.optim does.
+
+    Args:
+        lr: learning rate (float or schedule ``step -> lr``).
+        alpha: smoothing constant.
+        eps: denominator term.
+        weight_decay: L2 penalty.
+        momentum: momentum factor.
+        centered: normalise by the estimated variance instead of the second moment.
+        maximize: ascend the objective instead.
+        mask: which parameters get weight decay (see :func:`~engine.optim.decay_mask`).
+
+    Returns:
+        The optimizer as a :class:`GradientTransformation`.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.rmsprop(0.1, alpha=0.0, eps=0.0)
+        >>> params = {"w": torch.ones(2)}
+        >>> params, state = optim.apply_gradients(tx, {"w": torch.ones(2)}, tx.init(params),
+        ...                                       params, 0)
+        >>> params["w"]
+        tensor([0.9000, 0.9000])
+    """
+    lr = _check_lr(lr)
+    mask = _check_mask(mask)
+    momentum = _check_range("momentum", momentum, 0.0)
+    weight_decay = _check_range("weight_decay", weight_decay, 0.0)
+    members = [scale(-1.0)] if maximize else []
+    if weight_decay != 0:
+        members.append(_decay(add_decayed_weights(weight_decay), mask))
+    if momentum > 0:
+        members += [scale_by_rms(alpha, eps, centered), trace(momentum), scale_by_learning_rate(lr)]
+    else:
+        members.append(scale_by_rms(alpha, eps, centered, lr=lr))
+    return chain(*members)
+
+
+def adagrad(
+    lr: ScheduleLike = 1e-2,
+    lr_decay: float = 0.0,
+    weight_decay: float = 0.0,
+    initial_accumulator_value: float = 0.0,
+    eps: float = 1e-10,
+    maximize: bool = False,
+    *,
+    mask: Mask | None = None,
+) -> GradientTransformation:
+    """Adagrad, as torch.optim.Adagrad: ``chain([scale(-1)], [add_decayed_weights],
+    scale_by_adagrad(lr=lr))``.
+
+    Args:
+        lr: learning rate (float or schedule ``step -> lr``).
+        lr_decay: learning-rate decay with the step count.
+        weight_decay: L2 penalty.
+        initial_accumulator_value: starting value of the sum of squared gradients.
+        eps: denominator term.
+        maximize: ascend the objective instead.
+        mask: which parameters get weight decay (see :func:`~engine.optim.decay_mask`).
+
+    Returns:
+        The optimizer as a :class:`GradientTransformation`.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.adagrad(0.1, eps=0.0)
+        >>> params = {"w": torch.ones(2)}
+        >>> params, state = optim.apply_gradients(tx, {"w": torch.ones(2)}, tx.init(params),
+        ...                                       params, 0)
+        >>> params["w"]
+        tensor([0.9000, 0.9000])
+    """
+    lr = _check_lr(lr)
+    mask = _check_mask(mask)
+    weight_decay = _check_range("weight_decay", weight_decay, 0.0)
+    members = [scale(-1.0)] if maximize else []
+    if weight_decay != 0:
+        members.append(_decay(add_decayed_weights(weight_decay), mask))
+    members.append(scale_by_adagrad(lr_decay, eps, initial_accumulator_value, lr=lr))
+    return chain(*members)
+
+
+def lion(
+    lr: ScheduleLike = 1e-4,
+    betas: tuple[float, float] = (0.9, 0.99),
+    weight_decay: float = 0.0,
+    *,
+    mask: Mask | None = None,
+) -> GradientTransformation:
+    """Lion (Chen et al., 2023): ``p = p * (1 - lr * wd) - lr * sign(b1 * m + (1 - b1) * g)``.
+
+    ``chain(scale_by_lion, scale_by_learning_rate, [decoupled_weight_decay])``.
+
+    Args:
+        lr: learning rate (float or schedule ``step -> lr``); typically 3-10x smaller than AdamW's.
+        betas: interpolation rate of the update and decay rate of the momentum.
+        weight_decay: decoupled decay coefficient.
+        mask: which parameters get weight decay (see :func:`~engine.optim.decay_mask`).
+
+    Returns:
+        The optimizer as a :class:`GradientTransformation`.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.lion(0.5)
+        >>> params = {"w": torch.ones(2)}
+        >>> params, state = optim.apply_gradients(tx, {"w": torch.tensor([1.0, -1.0])},
+        ...                                       tx.init(params), params, 0)
+        >>> params["w"]
+        tensor([0.5000, 1.5000])
+    """
+    lr = _check_lr(lr)
+    mask = _check_mask(mask)
+    b1, b2 = _check_betas(betas)
+    weight_decay = _check_range("weight_decay", weight_decay, 0.0)
+    members = [scale_by_lion(b1, b2), scale_by_learning_rate(lr)]
+    if weight_decay != 0:
+        members.append(_decay(decoupled_weight_decay(weight_decay, lr), mask))
+    return chain(*members)

@@ -1,0 +1,250 @@
+"""The gradient-transformation protocol: a stateful component as a pair of pure functions.
+
+A :class:`GradientTransformation` is optax's shape with one addition for speed:
+
+* ``init(params) -> opt_state`` builds the transformation's state for a parameter dict.
+* ``update(updates, opt_state, params, step) -> (updates, opt_state)`` turns incoming updates
+  (gradients, for the first member of a chain) into outgoing updates. ``step`` is the number of
+  optimizer steps already taken (0 on the first call); schedules read it.
+* ``apply(grads, opt_state, params, step) -> opt_state`` (optional) is a *terminal* form that
+  writes the new parameters into ``params`` itself, used for fused kernels such as
+  ``torch._fused_adamw_``. :func:`apply_gradients` uses it when the last member of a chain has it.
+
+Buffers are donated: ``update`` may overwrite the ``updates`` it receives and the tensors of its
+own ``opt_state`` in place, and ``apply`` may overwrite ``params``. That is what keeps a functional
+optimizer as fast and as lean as ``torch.optim``. Callers that need the inputs intact pass
+``donate=False`` to :func:`apply_gradients`, which then works on copies.
+
+Parameters, gradients and updates are ``dict[str, Tensor]`` with the same keys in the same order.
+An optimizer state is any pytree of tensors, Python scalars and containers registered with
+``torch.utils._pytree`` (dicts, lists, tuples, named tuples); :func:`state_dict` flattens it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import attrs
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+Params = Mapping[str, Tensor]
+Updates = dict[str, Tensor]
+OptState = Any
+
+
+class InitFn(Protocol):
+    def __call__(self, params: Params) -> OptState: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self, updates: Updates, opt_state: OptState, params: Params, step: int
+    ) -> tuple[Updates, OptState]: ...
+
+
+class ApplyFn(Protocol):
+    def __call__(
+        self, grads: Updates, opt_state: OptState, params: Params, step: int
+    ) -> OptState: ...
+
+
+@attrs.frozen
+class GradientTransformation:
+    """A pair of pure functions ``init`` / ``update``, plus an optional fused ``apply``.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.sgd(0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update({"w": torch.ones(2)}, state, params, 0)
+        >>> updates["w"]
+        tensor([-0.1000, -0.1000])
+    """
+
+    init: InitFn
+    update: UpdateFn
+    apply: ApplyFn | None = None
+
+
+def identity() -> GradientTransformation:
+    """A transformation that passes updates through unchanged and keeps no state."""
+
+    def init(params: Params) -> OptState:
+        return ()
+
+    def update(updates: Updates, opt_state: OptState, params: Params, step: int):
+        return updates, opt_state
+
+    return GradientTransformation(init, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Compose transformations left to right; the state is a tuple of the members' states.
+
+    If the last member has a fused ``apply``, the chain has one too: the earlier members run
+    their ``update`` and the last one writes the parameters.
+
+    Example:
+        >>> from engine import optim
+        >>> tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
+        >>> tx.apply is not None
+        True
+    """
+    if not transforms:
+        return identity()
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain() argument {i} must be a GradientTransformation (got {type(t).__name__}); "
+                "build one with engine.optim (e.g. optim.adamw(1e-3)) or optim.from_torch(...)"
+            )
+
+    def init(params: Params) -> tuple:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates: Updates, opt_state: tuple, params: Params, step: int):
+        new_state = []
+        for t, s in zip(transforms, opt_state, strict=False):
+            updates, s = t.update(updates, s, params, step)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    last = transforms[-1].apply
+    if last is None:
+        return GradientTransformation(init, update)
+    head = transforms[:-1]
+
+    def apply(grads: Updates, opt_state: tuple, params: Params, step: int) -> tuple:
+        new_state = []
+        for t, s in zip(head, opt_state, strict=False):
+            grads, s = t.update(grads, s, params, step)
+            new_state.append(s)
+        new_state.append(last(grads, opt_state[-1], params, step))
+        return tuple(new_state)
+
+    return GradientTransformation(init, update, apply)
+
+
+@torch.no_grad()
+def apply_updates(params: Params, updates: Mapping[str, Tensor]) -> None:
+    """Add ``updates`` to ``params`` in place (``p += u``), one ``_foreach`` kernel for all."""
+    torch._foreach_add_(list(params.values()), [updates[k] for k in params])
+
+
+def apply_gradients(
+    tx: GradientTransformation,
+    grads: Mapping[str, Tensor],
+    opt_state: OptState,
+    params: Params,
+    step: int,
+    *,
+    donate: bool = True,
+) -> tuple[Params, OptState]:
+    """Run one optimizer step and return ``(new_params, new_opt_state)``.
+
+    With ``donate=True`` (the default) the parameters, gradients and optimizer state are updated
+    in place and the returned objects are the same tensors. With ``donate=False`` the inputs are
+    left bitwise unchanged and fresh tensors are returned.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.sgd(0.5)
+        >>> params = {"w": torch.zeros(2)}
+        >>> new, _ = optim.apply_gradients(tx, {"w": torch.ones(2)}, tx.init(params), params, 0,
+        ...                                donate=False)
+        >>> params["w"], new["w"]
+        (tensor([0., 0.]), tensor([-0.5000, -0.5000]))
+    """
+    if grads.keys() != params.keys():
+        missing = sorted(set(params) - set(grads))
+        extra = sorted(set(grads) - set(params))
+        raise KeyError(
+            f"gradients and parameters have different keys (missing grads: {missing}, "
+            f"grads for unknown params: {extra}); pass one gradient per parameter"
+        )
+    if donate:
+        grads = dict(grads)
+    else:
+        params = {k: _clone(v) for k, v in params.items()}
+        grads = {k: v.detach().clone() for k, v in grads.items()}
+        opt_state = pytree.tree_map(_clone_tensor, opt_state)
+    with torch.no_grad():
+        if tx.apply is not None:
+            opt_state = tx.apply(grads, opt_state, params, step)
+        else:
+            updates, opt_state = tx.update(grads, opt_state, params, step)
+            apply_updates(params, updates)
+    return params, opt_state
+
+
+def _clone(t: Tensor) -> Tensor:
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def _clone_tensor(x: Any) -> Any:
+    return x.detach().clone() if isinstance(x, Tensor) else x
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+def state_dict(opt_state: OptState) -> dict[str, Any]:
+    """Flatten an optimizer state into ``{key path: leaf}`` (tensors and Python scalars).
+
+    The keys are pytree key paths such as ``"[1][0].exp_avg['w']"``; load with
+    :func:`load_state_dict` against a template from ``tx.init(params)``.
+    """
+    leaves, _ = pytree.tree_flatten_with_path(opt_state)
+    return {pytree.keystr(path): leaf for path, leaf in leaves}
+
+
+def load_state_dict(template: OptState, sd: Mapping[str, Any]) -> OptState:
+    """Rebuild an optimizer state from :func:`state_dict` output, shaped like ``template``.
+
+    Raises:
+        KeyError: if ``sd`` lacks keys of the template or has extra ones.
+        ValueError: if a tensor's shape or dtype differs from the template's.
+    """
+    leaves, spec = pytree.tree_flatten_with_path(template)
+    keys = [pytree.keystr(p) for p, _ in leaves]
+    missing = [k for k in keys if k not in sd]
+    unexpected = [k for k in sd if k not in set(keys)]
+    if missing or unexpected:
+        raise KeyError(
+            f"optimizer state dict does not match the optimizer (missing: {missing}, "
+            f"unexpected: {unexpected}); was it saved with a different optimizer chain?"
+        )
+    out = []
+    for key, (_, ref) in zip(keys, leaves, strict=True):
+        value = sd[key]
+        if isinstance(ref, Tensor):
+            if (
+                not isinstance(value, Tensor)
+                or value.shape != ref.shape
+                or value.dtype != ref.dtype
+            ):
+                got = (
+                    f"{tuple(value.shape)} {value.dtype}"
+                    if isinstance(value, Tensor)
+                    else type(value).__name__
+                )
+                raise ValueError(
+                    f"optimizer state {key!r}: expected {tuple(ref.shape)} {ref.dtype}, got {got}"
+                )
+            value = value.to(ref.device)
+        out.append(value)
+    return pytree.tree_unflatten(out, spec)
+
+
+def tree_tensors(tree: Any) -> list[Tensor]:
+    """All tensor leaves of a pytree, in flattening order."""
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, Tensor)]
+
+
+ScheduleLike = float | Callable[[int], float]
