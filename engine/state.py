@@ -1,0 +1,304 @@
+"""``TrainState``: one frozen record holding everything a training run needs to continue.
+
+The state is data, not behaviour: parameters, buffers, optimizer state, progress counters, the run's
+seed, the precision state and a user ``extra`` mapping. It changes only by building a new record
+(:meth:`TrainState.replace`); steps return new states. It is registered as a pytree, so
+``torch.utils._pytree.tree_map`` maps over its tensors.
+
+Donation: by default a step *consumes* its input state and reuses its tensors in place, so the
+immutable API costs no extra memory. Every state carries a small :class:`_Ownership` token shared
+with the records made from it by ``replace`` (they share tensors, so they share fate); consuming a
+state marks the token, and using it again raises :class:`ConsumedStateError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from engine.optim.base import GradientTransformation, OptState
+
+__all__ = ["ConsumedStateError", "TrainState"]
+
+Params = dict[str, Tensor]
+
+
+class ConsumedStateError(RuntimeError):
+    """A state whose tensors were donated to a step was used again."""
+
+
+@attrs.define(eq=False, slots=True)
+class _Ownership:
+    """Mutable token shared by the records that share one set of tensors."""
+
+    consumed_by: str | None = None
+
+
+_CONSUMED_MSG = (
+    "this TrainState was consumed by {by}: its tensors were donated and have since been updated in "
+    "place, so it no longer holds the values it was created with. Use the state the step returned "
+    "(`state, metrics = step(state, batch)`), take a snapshot first with `state.copy()`, or build "
+    "the step with `donate=False` to keep every input state intact."
+)
+
+
+def _params_from_module(module: nn.Module) -> tuple[Params, Params]:
+    # detach() shares storage: the state borrows the module's tensors, it does not copy them.
+    # Frozen parameters (requires_grad=False) are not trained, so they travel with the buffers.
+    params, buffers = {}, {}
+    for k, p in module.named_parameters():
+        if p.requires_grad:
+            params[k] = p.detach().requires_grad_(True)
+        else:
+            buffers[k] = p.detach()
+    buffers.update((k, b.detach()) for k, b in module.named_buffers())
+    return params, buffers
+
+
+@attrs.frozen(eq=False, repr=False)
+class TrainState:
+    """Everything a training run needs to continue, as one immutable record.
+
+    Attributes:
+        params: trainable tensors by name (``module.named_parameters()`` names).
+        buffers: non-trainable tensors by name: the module's buffers (BatchNorm running
+            statistics, ...) and its frozen parameters (``requires_grad=False``).
+        opt_state: the optimizer's state pytree (``tx.init(params)``).
+        step: optimizer steps taken (Lightning's ``global_step``).
+        epoch: the current epoch (Lightning's ``current_epoch``).
+        batch_idx: batches consumed in the current epoch (the data position).
+        micro_step: micro-batches accumulated towards the next optimizer step.
+        seed: the run's seed; all randomness of step ``n`` derives from ``(seed, n, micro_step)``.
+        grad_accum: gradients summed over the current accumulation window, or ``None``.
+        precision: the precision policy's state (e.g. a loss scale), or ``None``.
+        extra: any user data (a mapping of pytrees) carried along and checkpointed.
+        module: the ``nn.Module`` used as a stateless template by the steps, or ``None`` for
+            pure-function models. It is structure, not data: it is not part of the pytree leaves.
+
+    Example:
+        >>> import torch
+        >>> import engine as eg
+        >>> from engine import optim
+        >>> model = torch.nn.Linear(3, 2)
+        >>> state = eg.TrainState.create(model, optim.sgd(0.1), seed=0)
+        >>> state.step, sorted(state.params)
+        (0, ['bias', 'weight'])
+        >>> state.replace(epoch=1).epoch
+        1
+    """
+
+    params: Params
+    buffers: Params = attrs.field(factory=dict)
+    opt_state: OptState = ()
+    step: int = 0
+    epoch: int = 0
+    batch_idx: int = 0
+    micro_step: int = 0
+    seed: int = 0
+    grad_accum: Params | None = None
+    precision: Any = None
+    extra: Mapping[str, Any] = attrs.field(factory=dict)
+    module: nn.Module | None = None
+    _ownership: _Ownership = attrs.field(factory=_Ownership, alias="_ownership")
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def create(
+        cls,
+        model: nn.Module | Mapping[str, Tensor],
+        tx: GradientTransformation,
+        *,
+        seed: int = 0,
+        buffers: Mapping[str, Tensor] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> TrainState:
+        """Build the initial state from a module (or a dict of parameters) and an optimizer.
+
+        A module's tensors are borrowed, not copied: the state's parameters share storage with
+        ``model``'s, so no second copy of the weights is made. From then on the module serves as a
+        stateless template; read trained values from ``state.params`` (or
+        :meth:`load_into` a module).
+
+        Args:
+            model: an ``nn.Module``, or a dict of parameter tensors for a pure-function model.
+            tx: the optimizer, a :class:`~engine.optim.GradientTransformation`.
+            seed: the run's seed (a non-negative int below 2**63).
+            buffers: extra non-trainable tensors for a pure-function model.
+            extra: user data carried in the state.
+
+        Raises:
+            TypeError: if ``model`` or ``tx`` has the wrong type.
+            ValueError: if ``seed`` is out of range or a parameter is not floating point.
+        """
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(
+                f"tx must be an engine.optim.GradientTransformation (got {type(tx).__name__}); "
+                "build one with engine.optim, e.g. optim.adamw(1e-3), or wrap a torch.optim class "
+                "with optim.from_torch(torch.optim.SGD, lr=0.1)"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63) (got {seed!r})")
+        if isinstance(model, nn.Module):
+            if buffers is not None:
+                raise TypeError("buffers= is for pure-function models; a module brings its own")
+            params, bufs = _params_from_module(model)
+            module: nn.Module | None = model
+        elif isinstance(model, Mapping):
+            params = {k: v.detach() for k, v in _check_tensors(model).items()}
+            bufs = {k: v.detach() for k, v in _check_tensors(buffers or {}).items()}
+            module = None
+        else:
+            raise TypeError(
+                f"model must be an nn.Module or a dict of parameter tensors "
+                f"(got {type(model).__name__})"
+            )
+        for name, p in params.items():
+            if not p.is_floating_point() and not p.is_complex():
+                raise ValueError(
+                    f"parameter {name!r} has dtype {p.dtype}; trainable parameters must be "
+                    "floating point (register integer tensors as buffers instead)"
+                )
+            p.requires_grad_(True)
+        return cls(
+            params=params,
+            buffers=bufs,
+            opt_state=tx.init(params),
+            seed=seed,
+            extra=dict(extra or {}),
+            module=module,
+        )
+
+    # ------------------------------------------------------------------ functional updates
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A new state with ``changes`` applied; it shares tensors (and fate) with this one."""
+        return attrs.evolve(self, **changes)
+
+    def copy(self) -> TrainState:
+        """A deep snapshot: fresh tensors and its own ownership, unaffected by later steps."""
+        self.check_alive("copy()")
+        cloned = pytree.tree_map(_clone_leaf, self)
+        return attrs.evolve(cloned, _ownership=_Ownership())
+
+    # ------------------------------------------------------------------ donation
+
+    @property
+    def consumed(self) -> bool:
+        """Whether a step has consumed this state (its tensors now hold newer values)."""
+        return self._ownership.consumed_by is not None
+
+    def check_alive(self, what: str = "this step") -> None:
+        """Raise :class:`ConsumedStateError` if a step already consumed this state."""
+        if self._ownership.consumed_by is not None:
+            raise ConsumedStateError(
+                f"{what} received a consumed state: "
+                + _CONSUMED_MSG.format(by=self._ownership.consumed_by)
+            )
+
+    def _consume(self, by: str) -> None:
+        self.check_alive(by)
+        self._ownership.consumed_by = f"{by} (at step {self.step})"
+
+    # ------------------------------------------------------------------ inspection
+
+    def fingerprint(self) -> str:
+        """A SHA-256 hex digest of the bits of params, buffers, optimizer state and counters.
+
+        Two states have equal fingerprints exactly when those hold bitwise-identical values
+        (same names, shapes, dtypes and bytes). Replay compares fingerprints to verify a run.
+        """
+        h = hashlib.sha256()
+        h.update(
+            struct.pack("<5q", self.step, self.epoch, self.batch_idx, self.micro_step, self.seed)
+        )
+        for group in (self.params, self.buffers, self.grad_accum or {}):
+            for name, t in group.items():
+                h.update(name.encode())
+                _hash_leaf(h, t)
+        for path, leaf in pytree.tree_flatten_with_path(self.opt_state)[0]:
+            h.update(pytree.keystr(path).encode())
+            _hash_leaf(h, leaf)
+        return h.hexdigest()
+
+    def num_params(self) -> int:
+        """Number of trainable scalars."""
+        return sum(p.numel() for p in self.params.values())
+
+    def load_into(self, module: nn.Module) -> nn.Module:
+        """Copy params and buffers into ``module`` (strict) and return it, e.g. for export."""
+        module.load_state_dict({**self.params, **self.buffers}, strict=True)
+        return module
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainState(step={self.step}, epoch={self.epoch}, batch_idx={self.batch_idx}, "
+            f"micro_step={self.micro_step}, seed={self.seed}, params={len(self.params)} tensors "
+            f"/ {self.num_params():,} values, buffers={len(self.buffers)}, "
+            f"consumed={self.consumed})"
+        )
+
+
+def _check_tensors(d: Mapping[str, Any]) -> dict[str, Tensor]:
+    for k, v in d.items():
+        if not isinstance(k, str) or not isinstance(v, Tensor):
+            raise TypeError(
+                f"expected a dict of str -> Tensor; entry {k!r} has value type {type(v).__name__}"
+            )
+    return dict(d)
+
+
+def _clone_leaf(x: Any) -> Any:
+    if isinstance(x, Tensor):
+        return x.detach().clone().requires_grad_(x.requires_grad)
+    return x
+
+
+def _hash_leaf(h: Any, leaf: Any) -> None:
+    if isinstance(leaf, Tensor):
+        t = leaf.detach()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.numel():
+            t = t.to("cpu").contiguous()
+            # view as bytes: exact bits, including -0.0 and NaN payloads
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        h.update(repr(leaf).encode())
+
+
+# ---------------------------------------------------------------------- pytree registration
+
+_CHILDREN = ("params", "buffers", "opt_state", "grad_accum", "precision", "extra")
+_STATIC = ("step", "epoch", "batch_idx", "micro_step", "seed", "module", "_ownership")
+
+
+def _flatten(s: TrainState) -> tuple[list[Any], tuple[Any, ...]]:
+    return [getattr(s, n) for n in _CHILDREN], tuple(getattr(s, n) for n in _STATIC)
+
+
+def _unflatten(children: Any, context: tuple[Any, ...]) -> TrainState:
+    kw = dict(zip(_CHILDREN, children, strict=True))
+    static = dict(zip(_STATIC, context, strict=True))
+    static["_ownership"] = static.pop("_ownership")
+    return TrainState(**kw, **static)
+
+
+def _flatten_with_keys(s: TrainState):
+    children, ctx = _flatten(s)
+    return [(pytree.GetAttrKey(n), c) for n, c in zip(_CHILDREN, children, strict=True)], ctx
+
+
+pytree.register_pytree_node(
+    TrainState,
+    _flatten,
+    _unflatten,
+    serialized_type_name="engine.TrainState",
+    flatten_with_keys_fn=_flatten_with_keys,
+)
