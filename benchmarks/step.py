@@ -1,0 +1,191 @@
+"""Per-step time and peak memory of engine's steps as ratios to a raw PyTorch loop.
+
+    python -m benchmarks.step            # a table
+    python -m benchmarks.step --json     # one JSON object of ratios (and the raw timings)
+    python -m benchmarks.step --quick    # fewer rounds; finishes in under two minutes
+
+Speed: every variant runs on the same model shape and the same batch, *interleaved* round by
+round in one process, so drift in machine load hits all of them alike; a variant's figure is the
+median over rounds of (its time / the raw loop's time in that round). The raw loop is
+``zero_grad(set_to_none=True)``, forward, ``backward()``, ``torch.optim.AdamW()`` step (the
+default foreach implementation).
+
+Memory: each variant trains a ~50M-parameter MLP with AdamW for a few steps in a fresh process;
+the figure is its peak RSS above the RSS it had before building the model (so the shared cost of
+importing torch does not dilute the ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import engine as eg
+from engine import optim
+
+SHAPES = {
+    "tiny": ((32, 64, 64, 10), 64),
+    "medium": ((784, 1024, 1024, 10), 256),
+}
+MEMORY_SHAPE = ((4096, 4096, 4096, 4096, 1000), 64)  # 54.6M parameters
+
+
+def mlp(sizes: tuple[int, ...], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def batch(sizes: tuple[int, ...], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, sizes[0], generator=g), torch.randint(0, sizes[-1], (n,), generator=g)
+
+
+def loss_fn(model, b):
+    x, y = b
+    return F.cross_entropy(model(x), y)
+
+
+# ------------------------------------------------------------------------------ variants
+
+
+def raw_loop(sizes, b, fused: bool = False) -> Callable[[], None]:
+    model = mlp(sizes)
+    opt = torch.optim.AdamW(model.parameters(), fused=fused or None)
+    x, y = b
+
+    def run() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return run
+
+
+def engine_loop(sizes, b, compile: bool = False) -> Callable[[], None]:
+    tx = optim.adamw(1e-3)
+    box = [eg.TrainState.create(mlp(sizes), tx, seed=0)]
+    step = eg.train_step(loss_fn, tx, compile=compile)
+
+    def run() -> None:
+        box[0], _ = step(box[0], b)
+
+    return run
+
+
+VARIANTS: dict[str, Callable[..., Callable[[], None]]] = {
+    "raw": raw_loop,
+    "raw_fused": lambda s, b: raw_loop(s, b, fused=True),
+    "engine_eager": engine_loop,
+    "engine_compiled": lambda s, b: engine_loop(s, b, compile=True),
+}
+
+
+def time_variants(name: str, rounds: int, steps: int, warmup: int) -> dict[str, float]:
+    sizes, n = SHAPES[name]
+    b = batch(sizes, n)
+    runs = {k: make(sizes, b) for k, make in VARIANTS.items()}
+    compile_s = {}
+    for k, run in runs.items():
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            run()
+        compile_s[k] = time.perf_counter() - t0
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, run in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                run()
+            times[k].append((time.perf_counter() - t0) / steps)
+    out = {f"{name}_raw_step_us": statistics.median(times["raw"]) * 1e6}
+    for k in runs:
+        if k != "raw":
+            ratios = [t / r for t, r in zip(times[k], times["raw"], strict=True)]
+            out[f"{name}_{k}_ratio"] = statistics.median(ratios)
+    out[f"{name}_compile_warmup_s"] = compile_s["engine_compiled"]
+    return out
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def _rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def memory_child(variant: str, steps: int) -> None:
+    sizes, n = MEMORY_SHAPE
+    b = batch(sizes, n)
+    base = _current_rss_mb()
+    run = VARIANTS[variant](sizes, b)
+    for _ in range(steps):
+        run()
+    print(json.dumps({"peak_mb": _rss_mb() - base}))
+
+
+def measure_memory(variants: list[str], steps: int) -> dict[str, float]:
+    peaks = {}
+    for v in variants:
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.step", "--memory-child", v, "--steps", str(steps)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        peaks[v] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
+    result = {"memory_raw_peak_mb": peaks["raw"]}
+    for v in variants:
+        if v != "raw":
+            result[f"memory_{v}_ratio"] = peaks[v] / peaks["raw"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quick", action="store_true", help="fewer rounds (under two minutes)")
+    p.add_argument("--memory-child", help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.memory_child:
+        memory_child(args.memory_child, args.steps)
+        return
+    rounds = 7 if args.quick else 21
+    results: dict[str, float | str] = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    results.update(time_variants("tiny", rounds, steps=50, warmup=30))
+    results.update(time_variants("medium", rounds if not args.quick else 5, steps=5, warmup=10))
+    results.update(measure_memory(["raw", "raw_fused", "engine_eager"], steps=3))
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for k, v in results.items():
+            print(f"{k:36s} {v:.3f}" if isinstance(v, float) else f"{k:36s} {v}")
+
+
+if __name__ == "__main__":
+    main()
