@@ -39,6 +39,7 @@ class _Ownership:
     """Mutable token shared by the records that share one set of tensors."""
 
     consumed_by: str | None = None
+    at_step: int = 0
 
 
 _CONSUMED_MSG = (
@@ -200,12 +201,15 @@ class TrainState:
         if self._ownership.consumed_by is not None:
             raise ConsumedStateError(
                 f"{what} received a consumed state: "
-                + _CONSUMED_MSG.format(by=self._ownership.consumed_by)
+                + _CONSUMED_MSG.format(
+                    by=f"{self._ownership.consumed_by} (at step {self._ownership.at_step})"
+                )
             )
 
     def _consume(self, by: str) -> None:
         self.check_alive(by)
-        self._ownership.consumed_by = f"{by} (at step {self.step})"
+        self._ownership.consumed_by = by  # formatted only if the error is raised
+        self._ownership.at_step = self.step
 
     # ------------------------------------------------------------------ inspection
 
