@@ -24,6 +24,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check engine tests benchmarks examples
 	$(PY) -m ruff format --check engine tests benchmarks examples
+	$(PY) -m mypy engine
 
 test: lint
 	$(PY) -m pytest -q

@@ -127,7 +127,7 @@ class ModelView:
             # Dynamo traces functional_call natively; the binder's dict stores would be
             # side effects it has to replay.
             tensors = (self.params, self.buffers) if self.buffers else self.params
-            return functional_call(self.module, tensors, args, kwargs, strict=False)
+            return functional_call(self.module, tensors, args, kwargs, strict=False)  # type: ignore[arg-type]
         tensors = {**self.params, **self.buffers} if self.buffers else self.params
         return _binder(self.module).call(self.module, tensors, args, kwargs)
 

@@ -3,6 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import engine as eg
@@ -278,3 +280,42 @@ def test_compiled_step_is_one_graph_and_matches_eager():
     assert not counters["graph_break"]
     # a static first graph, then one with a symbolic step: no recompilation per step
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_a_step_never_reads_tensor_values_on_the_host(monkeypatch):
+    """Metrics stay tensors and the default optimizers never call .item(): no device sync."""
+    tx = optim.chain(
+        optim.clip_by_global_norm(1.0),
+        optim.adamw(optim.warmup_cosine(1e-3, warmup_steps=2, total_steps=10)),
+    )
+    step = eg.train_step(_ce, tx, accumulate=2)
+    state = eg.TrainState.create(_mlp(dropout=0.1), tx)
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError("host sync inside a step")
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    for b in _batches(4):
+        state, metrics = step(state, b)
+    monkeypatch.undo()
+    assert state.step == 2 and isinstance(metrics["loss"], torch.Tensor)
+
+
+@settings(max_examples=12, deadline=None)
+@given(k=st.integers(0, 9), accumulate=st.sampled_from([1, 3]))
+def test_rerunning_from_any_saved_state_is_bitwise_identical(k, accumulate):
+    """A state determines the rest of the run: continue from a snapshot taken at call k."""
+    tx = optim.adamw(1e-2)
+    step = eg.train_step(_ce, tx, accumulate=accumulate)
+    batches = _batches(10, size=8)
+    state = eg.TrainState.create(_mlp(dropout=0.3), tx, seed=11)
+    snapshot = None
+    for i, b in enumerate(batches):
+        if i == k:
+            snapshot = state.copy()
+        state, _ = step(state, b)
+    resumed = snapshot
+    for b in batches[k:]:
+        resumed, _ = step(resumed, b)
+    assert resumed.fingerprint() == state.fingerprint()

@@ -49,7 +49,7 @@ def _check_betas(betas: tuple[float, float], name: str = "betas") -> tuple[float
     )
 
 
-def _lr_at(lr: ScheduleLike, step: int) -> float:
+def _lr_at(lr: Any, step: int) -> float:  # Any: closures hold an Optional lr
     """The learning rate at ``step``: a schedule is called, a float is returned as is."""
     return lr(step) if callable(lr) else lr
 

@@ -189,10 +189,10 @@ def scale_by_rms(
         if centered:
             ga = [state.grad_avg[k] for k in keys]
             torch._foreach_lerp_(ga, g, 1 - alpha)
-            avg = torch._foreach_addcmul(sq, ga, ga, value=-1)
+            avg = list(torch._foreach_addcmul(sq, ga, ga, value=-1))
             torch._foreach_sqrt_(avg)
         else:
-            avg = torch._foreach_sqrt(sq)
+            avg = list(torch._foreach_sqrt(sq))
         torch._foreach_add_(avg, eps)
         return avg
 

@@ -23,7 +23,7 @@ An optimizer state is any pytree of tensors, Python scalars and containers regis
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import torch
@@ -35,20 +35,11 @@ Updates = dict[str, Tensor]
 OptState = Any
 
 
-class InitFn(Protocol):
-    def __call__(self, params: Params) -> OptState: ...
-
-
-class UpdateFn(Protocol):
-    def __call__(
-        self, updates: Updates, opt_state: OptState, params: Params, step: int
-    ) -> tuple[Updates, OptState]: ...
-
-
-class ApplyFn(Protocol):
-    def __call__(
-        self, grads: Updates, opt_state: OptState, params: Params, step: int
-    ) -> OptState: ...
+# Plain callable types rather than Protocols: transforms name their arguments and type their
+# own state (``state: ScaleByAdamState``), which a Protocol's exact signature would reject.
+InitFn = Callable[[Params], OptState]
+UpdateFn = Callable[[Updates, OptState, Params, int], tuple[Updates, OptState]]
+ApplyFn = Callable[[Updates, OptState, Params, int], OptState]
 
 
 @attrs.frozen

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from torch import Tensor
 
@@ -12,6 +12,7 @@ from engine.optim._common import (
     Mask,
 )
 from engine.optim.base import (
+    ApplyFn,
     GradientTransformation,
     OptState,
     Params,
@@ -91,9 +92,11 @@ def masked(tx: GradientTransformation, mask: Mask) -> GradientTransformation:
         sub, inner = tx.update(split(updates, m), state.inner, split(params, m), step)
         return {k: sub[k] if m[k] else u for k, u in updates.items()}, MaskedState(inner)
 
+    inner_apply = cast(ApplyFn, tx.apply)  # only used when tx has one (see below)
+
     def apply(grads: Updates, state: MaskedState, params: Params, step: int) -> MaskedState:
         m = _resolve(mask, params, "mask")
-        inner = tx.apply(split(grads, m), state.inner, split(params, m), step)
+        inner = inner_apply(split(grads, m), state.inner, split(params, m), step)
         rest = {k: p for k, p in params.items() if not m[k]}
         if rest:
             apply_updates(rest, grads)

@@ -74,7 +74,7 @@ def from_torch(
         )
     lr = _check_lr(lr)
     try:  # let torch.optim validate the arguments now rather than at the first step
-        optimizer_cls([torch.zeros(1, requires_grad=True)], lr=_lr_at(lr, 0), **kwargs)
+        optimizer_cls([torch.zeros(1, requires_grad=True)], lr=_lr_at(lr, 0), **kwargs)  # type: ignore[call-arg]
     except (TypeError, ValueError) as e:
         raise type(e)(f"from_torch({optimizer_cls.__name__}, lr={lr!r}, **{kwargs!r}): {e}") from e
     cache: list[torch.optim.Optimizer] = []  # one reusable instance; holds no tensors between steps
@@ -84,7 +84,7 @@ def from_torch(
             return TorchOptimizerState(False, {})
         names = list(params)
         dummies = [torch.zeros_like(p).requires_grad_(True) for p in params.values()]
-        opt = optimizer_cls(dummies, lr=_lr_at(lr, 0), **kwargs)
+        opt = optimizer_cls(dummies, lr=_lr_at(lr, 0), **kwargs)  # type: ignore[call-arg]
         for d in dummies:
             d.grad = torch.zeros_like(d)
         opt.step()  # a throwaway step on zeros, to learn the state's layout
@@ -108,7 +108,7 @@ def from_torch(
             opt.param_groups[0]["params"] = plist
             opt.param_groups[0]["lr"] = lr_now
         else:  # a fresh instance: optimizers such as Adagrad initialise their state eagerly
-            opt = optimizer_cls(plist, lr=lr_now, **kwargs)
+            opt = optimizer_cls(plist, lr=lr_now, **kwargs)  # type: ignore[call-arg]
         if state.started:
             opt.state = defaultdict(
                 dict, {p: dict(state.state[k]) for k, p in zip(names, plist, strict=True)}
