@@ -18,6 +18,7 @@ importing torch does not dilute the ratio).
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import resource
@@ -107,12 +108,17 @@ def time_variants(name: str, rounds: int, steps: int, warmup: int) -> dict[str, 
             run()
         compile_s[k] = time.perf_counter() - t0
     times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, run in runs.items():
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                run()
-            times[k].append((time.perf_counter() - t0) / steps)
+    gc.collect()
+    gc.disable()  # as timeit does: a collection landing in one variant's window is noise
+    try:
+        for _ in range(rounds):
+            for k, run in runs.items():
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    run()
+                times[k].append((time.perf_counter() - t0) / steps)
+    finally:
+        gc.enable()
     out = {f"{name}_raw_step_us": statistics.median(times["raw"]) * 1e6}
     for k in runs:
         if k != "raw":
@@ -177,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    results.update(time_variants("tiny", rounds, steps=50, warmup=30))
+    results.update(time_variants("tiny", rounds, steps=100, warmup=30))
     results.update(time_variants("medium", rounds if not args.quick else 5, steps=5, warmup=10))
     results.update(measure_memory(["raw", "raw_fused", "engine_eager"], steps=3))
     if args.json:
