@@ -319,3 +319,31 @@ def test_rerunning_from_any_saved_state_is_bitwise_identical(k, accumulate):
     for b in batches[k:]:
         resumed, _ = step(resumed, b)
     assert resumed.fingerprint() == state.fingerprint()
+
+
+@pytest.mark.slow
+def test_compiled_eval_predict_and_pure_function_steps_match_eager():
+    x, y = _batches(1)[0]
+    tx = optim.sgd(0.1)
+    state = eg.TrainState.create(_mlp(dropout=0.5), tx)
+    for compile in (False, True):
+        metrics = eg.eval_step(_ce, compile=compile)(state, (x, y))
+        preds = eg.predict_step(compile=compile)(state, x)
+        if not compile:
+            expected_metrics, expected_preds = metrics, preds
+    torch.testing.assert_close(metrics, expected_metrics)
+    torch.testing.assert_close(preds, expected_preds)
+
+    def linear(p, batch):
+        xb, yb = batch
+        return F.mse_loss(xb @ p["w"], yb)
+
+    target = torch.randn(10)
+    runs = []
+    for compile in (False, True):
+        s = eg.TrainState.create({"w": torch.zeros(10)}, tx)
+        step = eg.train_step(linear, tx, compile=compile)
+        for _ in range(5):
+            s, _ = step(s, (x, x @ target))
+        runs.append(s.params["w"])
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
