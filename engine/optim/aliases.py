@@ -60,6 +60,16 @@ def _decay(tx: GradientTransformation, mask: Mask | None) -> GradientTransformat
     return tx if mask is None else masked(tx, mask)
 
 
+def _gradient_prefix(
+    maximize: bool, weight_decay: float, mask: Mask | None
+) -> list[GradientTransformation]:
+    """What torch.optim does to a gradient first: negate it to maximize, then add L2 decay."""
+    members = [scale(-1.0)] if maximize else []
+    if weight_decay != 0:
+        members.append(_decay(add_decayed_weights(weight_decay), mask))
+    return members
+
+
 def _with_fused(
     base: GradientTransformation,
     kernel: FusedKernel,
@@ -154,9 +164,7 @@ def sgd(
     mask = _check_mask(mask)
     momentum = _check_range("momentum", momentum, 0.0)
     weight_decay = _check_range("weight_decay", weight_decay, 0.0)
-    members = [scale(-1.0)] if maximize else []
-    if weight_decay != 0:
-        members.append(_decay(add_decayed_weights(weight_decay), mask))
+    members = _gradient_prefix(maximize, weight_decay, mask)
     trace_at = len(members)
     if momentum != 0 or nesterov:
         members.append(trace(momentum, dampening, nesterov))
@@ -187,9 +195,7 @@ def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, d
     b1, b2 = _check_betas(betas)
     eps = _check_range("eps", eps, 0.0)
     weight_decay = _check_range("weight_decay", weight_decay, 0.0)
-    members = [scale(-1.0)] if maximize else []
-    if weight_decay != 0 and not decoupled:
-        members.append(_decay(add_decayed_weights(weight_decay), mask))
+    members = _gradient_prefix(maximize, 0.0 if decoupled else weight_decay, mask)
     adam_at = len(members)
     members.append(scale_by_adam(b1, b2, eps, amsgrad, lr=lr))
     if weight_decay != 0 and decoupled:
@@ -353,9 +359,7 @@ def rmsprop(
     mask = _check_mask(mask)
     momentum = _check_range("momentum", momentum, 0.0)
     weight_decay = _check_range("weight_decay", weight_decay, 0.0)
-    members = [scale(-1.0)] if maximize else []
-    if weight_decay != 0:
-        members.append(_decay(add_decayed_weights(weight_decay), mask))
+    members = _gradient_prefix(maximize, weight_decay, mask)
     if momentum > 0:
         members += [scale_by_rms(alpha, eps, centered), trace(momentum), scale_by_learning_rate(lr)]
     else:
@@ -401,9 +405,7 @@ def adagrad(
     lr = _check_lr(lr)
     mask = _check_mask(mask)
     weight_decay = _check_range("weight_decay", weight_decay, 0.0)
-    members = [scale(-1.0)] if maximize else []
-    if weight_decay != 0:
-        members.append(_decay(add_decayed_weights(weight_decay), mask))
+    members = _gradient_prefix(maximize, weight_decay, mask)
     members.append(scale_by_adagrad(lr_decay, eps, initial_accumulator_value, lr=lr))
     return chain(*members)
 
