@@ -6,6 +6,7 @@ semantics and bitwise-exact resume.
 """
 
 from engine import optim, rng
+from engine.events import Event, EventRecord, Listener, Stop, on
 from engine.state import ConsumedStateError, TrainState
 from engine.step import (
     EvalStep,
@@ -16,11 +17,20 @@ from engine.step import (
     predict_step,
     train_step,
 )
+from engine.task import Task
+from engine.trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConsumedStateError",
+    "Event",
+    "EventRecord",
+    "Listener",
+    "Stop",
+    "Task",
+    "Trainer",
+    "on",
     "EvalStep",
     "ModelView",
     "PredictStep",

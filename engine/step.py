@@ -261,9 +261,11 @@ class TrainStep:
         accumulate: int,
         donate: bool,
         compile: bool | Mapping[str, Any],
+        clip: GradientTransformation | None = None,
     ) -> None:
         self.loss_fn = loss_fn
         self.tx = tx
+        self.clip = clip
         self.accumulate = accumulate
         self.donate = donate
         self.compile = compile
@@ -294,6 +296,8 @@ class TrainStep:
             if grad_accum is not None:
                 torch._foreach_add_(grads, list(grad_accum.values()))
             grads = dict(zip(params, grads, strict=True))
+            if self.clip is not None:
+                grads, _ = self.clip.update(grads, (), params, step)
             if self.tx.apply is not None:
                 opt_state = self.tx.apply(grads, opt_state, params, step)
             else:
@@ -372,6 +376,7 @@ def train_step(
     accumulate: int = 1,
     donate: bool = True,
     compile: bool | Mapping[str, Any] = False,
+    clip: GradientTransformation | None = None,
 ) -> TrainStep:
     """Build a pure training step ``(state, batch) -> (state, metrics)``.
 
@@ -387,6 +392,9 @@ def train_step(
             ``False`` the input state is left bitwise unchanged and the step works on a copy.
         compile: ``True`` (or a dict of ``torch.compile`` options) compiles forward, backward
             and optimizer update into one graph.
+        clip: a *stateless* transformation applied to the (accumulated) gradients before the
+            optimizer, such as ``optim.clip_by_global_norm(1.0)``; the Trainer's
+            ``gradient_clip_val`` goes here, so the optimizer state keeps its shape.
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -409,7 +417,14 @@ def train_step(
         )
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be a positive int (got {accumulate!r})")
-    return TrainStep(loss_fn, tx, accumulate=accumulate, donate=donate, compile=compile)
+    if clip is not None and (
+        not isinstance(clip, GradientTransformation) or clip.init({}) not in ((), None)
+    ):
+        raise TypeError(
+            f"clip must be a stateless GradientTransformation such as "
+            f"optim.clip_by_global_norm(1.0) (got {clip!r}); put stateful transforms in tx"
+        )
+    return TrainStep(loss_fn, tx, accumulate=accumulate, donate=donate, compile=compile, clip=clip)
 
 
 class _InferenceStep(Generic[Out]):

@@ -1,0 +1,112 @@
+"""Validation and resolution of the Trainer's Lightning-style flags (private).
+
+Every flag is checked at construction; an error names the flag, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Any
+
+__all__: list[str] = []
+
+
+def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> Any:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        accepted = f"an int >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"Trainer({name}={value!r}): {name} must be {accepted}")
+    return value
+
+
+def check_limit(name: str, value: Any) -> int | float:
+    """``limit_*_batches`` / ``overfit_batches``: an int >= 0 or a float in [0.0, 1.0]."""
+    if value is None:
+        return 1.0
+    if isinstance(value, bool):
+        raise ValueError(f"Trainer({name}={value!r}): use an int >= 0 or a float in [0.0, 1.0]")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"Trainer({name}={value!r}): an int number of batches must be >= 0")
+        return value
+    if isinstance(value, float):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(
+                f"Trainer({name}={value!r}): a fraction must lie in [0.0, 1.0]; pass an int for "
+                "a number of batches"
+            )
+        return value
+    raise ValueError(
+        f"Trainer({name}={value!r}): expected an int >= 0 or a float in [0.0, 1.0], got "
+        f"{type(value).__name__}"
+    )
+
+
+def check_choice(name: str, value: Any, choices: tuple[Any, ...], later: str = "") -> Any:
+    if value not in choices:
+        shown = ", ".join(repr(c) for c in choices)
+        hint = f" ({later})" if later else ""
+        raise ValueError(f"Trainer({name}={value!r}): accepted values are {shown}{hint}")
+    return value
+
+
+def parse_max_time(value: Any) -> timedelta | None:
+    """``max_time`` as Lightning takes it: "DD:HH:MM:SS", a timedelta, or a dict of timedelta
+    keyword arguments."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        out = value
+    elif isinstance(value, dict):
+        try:
+            out = timedelta(**value)
+        except TypeError as e:
+            raise ValueError(
+                f"Trainer(max_time={value!r}): a dict takes timedelta's keywords "
+                f"(days, hours, minutes, seconds, ...): {e}"
+            ) from None
+    elif isinstance(value, str):
+        parts = value.split(":")
+        if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(
+                f"Trainer(max_time={value!r}): a string must be 'DD:HH:MM:SS', e.g. '00:12:00:00'"
+            )
+        d, h, m, s = (int(p) for p in parts)
+        out = timedelta(days=d, hours=h, minutes=m, seconds=s)
+    else:
+        raise ValueError(
+            f"Trainer(max_time={value!r}): pass 'DD:HH:MM:SS', a datetime.timedelta or a dict"
+        )
+    if out.total_seconds() < 0:
+        raise ValueError(f"Trainer(max_time={value!r}): the duration must not be negative")
+    return out
+
+
+def check_val_check_interval(value: Any) -> int | float:
+    if value is None:
+        return 1.0
+    if isinstance(value, bool):
+        raise ValueError(f"Trainer(val_check_interval={value!r}): use an int or a float")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(
+                f"Trainer(val_check_interval={value!r}): an int counts training batches and must "
+                "be >= 1"
+            )
+        return value
+    if isinstance(value, float) and 0.0 < value <= 1.0:
+        return value
+    raise ValueError(
+        f"Trainer(val_check_interval={value!r}): pass a float in (0.0, 1.0] (a fraction of the "
+        "epoch) or an int >= 1 (every N training batches)"
+    )
+
+
+def sanity_steps(value: Any) -> float:
+    if value is None:
+        return 2
+    if value == -1:
+        return math.inf
+    return check_int("num_sanity_val_steps", value, minimum=0)

@@ -1,0 +1,237 @@
+"""Events: what the Trainer announces instead of calling callbacks that can change it.
+
+The :class:`Event` enum is named after Lightning's ``Callback`` hooks so a migration is a rename.
+A listener is any object with methods named after the events it wants (``on_train_batch_end``)
+or a function registered with :func:`on` and an Ignite-style filter (``every=``, ``once=``, a
+predicate). Each receives one immutable :class:`EventRecord` and may return a request
+(:class:`Stop`); it cannot change the state, which is a frozen record anyway.
+
+Example:
+    >>> from engine.events import Event, on
+    >>> seen = []
+    >>> listener = on(Event.ON_TRAIN_BATCH_END, lambda rec: seen.append(rec.batch_idx), every=2)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    from engine.state import TrainState
+    from engine.trainer import Trainer
+
+__all__ = ["Event", "EventRecord", "Listener", "Stop", "on"]
+
+
+class Event(str, enum.Enum):
+    """The Trainer's events, named (and ordered) like Lightning 2.x's Callback hooks."""
+
+    SETUP = "setup"
+    ON_FIT_START = "on_fit_start"
+    ON_SANITY_CHECK_START = "on_sanity_check_start"
+    ON_SANITY_CHECK_END = "on_sanity_check_end"
+    ON_TRAIN_START = "on_train_start"
+    ON_TRAIN_EPOCH_START = "on_train_epoch_start"
+    ON_TRAIN_BATCH_START = "on_train_batch_start"
+    ON_BEFORE_OPTIMIZER_STEP = "on_before_optimizer_step"
+    ON_TRAIN_BATCH_END = "on_train_batch_end"
+    ON_VALIDATION_START = "on_validation_start"
+    ON_VALIDATION_EPOCH_START = "on_validation_epoch_start"
+    ON_VALIDATION_BATCH_START = "on_validation_batch_start"
+    ON_VALIDATION_BATCH_END = "on_validation_batch_end"
+    ON_VALIDATION_EPOCH_END = "on_validation_epoch_end"
+    ON_VALIDATION_END = "on_validation_end"
+    ON_TRAIN_EPOCH_END = "on_train_epoch_end"
+    ON_TRAIN_END = "on_train_end"
+    ON_FIT_END = "on_fit_end"
+    ON_TEST_START = "on_test_start"
+    ON_TEST_EPOCH_START = "on_test_epoch_start"
+    ON_TEST_BATCH_START = "on_test_batch_start"
+    ON_TEST_BATCH_END = "on_test_batch_end"
+    ON_TEST_EPOCH_END = "on_test_epoch_end"
+    ON_TEST_END = "on_test_end"
+    ON_PREDICT_START = "on_predict_start"
+    ON_PREDICT_EPOCH_START = "on_predict_epoch_start"
+    ON_PREDICT_BATCH_START = "on_predict_batch_start"
+    ON_PREDICT_BATCH_END = "on_predict_batch_end"
+    ON_PREDICT_EPOCH_END = "on_predict_epoch_end"
+    ON_PREDICT_END = "on_predict_end"
+    ON_EXCEPTION = "on_exception"
+    ON_SAVE_CHECKPOINT = "on_save_checkpoint"
+    ON_LOAD_CHECKPOINT = "on_load_checkpoint"
+    TEARDOWN = "teardown"
+
+    def __call__(
+        self,
+        *,
+        every: int | None = None,
+        once: int | None = None,
+        filter: Callable[[EventRecord], bool] | None = None,
+    ) -> EventFilter:
+        """This event with an Ignite-style filter: ``Event.ON_TRAIN_BATCH_END(every=10)``."""
+        return EventFilter(self, every=every, once=once, predicate=filter)
+
+
+@attrs.frozen
+class EventRecord:
+    """What a listener receives: immutable, with everything known at that point.
+
+    Attributes:
+        event: which event this is.
+        stage: ``"fit"``, ``"sanity_check"``, ``"validate"``, ``"test"`` or ``"predict"``
+            (validation inside ``fit`` has stage ``"fit"``).
+        state: the current :class:`TrainState` (read it; it cannot be changed).
+        metrics: the latest host-side metrics (``trainer.callback_metrics``) as floats.
+        batch_idx: the batch index within the epoch / dataloader, for batch events.
+        dataloader_idx: which evaluation or prediction dataloader, for those events.
+        outputs: the step's metrics (tensors) for ``*_batch_end``; predictions for predict.
+        batch: the batch, for batch events.
+        exception: the exception, for ``on_exception``.
+        trainer: the Trainer, for its read-only properties (``global_step``,
+            ``num_training_batches``, ``logged_metrics``, ...).
+    """
+
+    event: Event
+    stage: str
+    state: TrainState | None
+    metrics: Mapping[str, float]
+    trainer: Trainer
+    batch_idx: int | None = None
+    dataloader_idx: int = 0
+    outputs: Any = None
+    batch: Any = None
+    exception: BaseException | None = None
+
+
+@attrs.frozen
+class Stop:
+    """A listener's request to stop fitting (Lightning's ``trainer.should_stop = True``).
+
+    As in Lightning, fitting stops once ``min_epochs`` / ``min_steps`` are met.
+    """
+
+    reason: str = ""
+
+
+@attrs.define
+class EventFilter:
+    """An event plus a filter on its occurrences (counted from 1, per filter)."""
+
+    event: Event
+    every: int | None = None
+    once: int | None = None
+    predicate: Callable[[EventRecord], bool] | None = None
+    count: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("every", "once"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name} must be a positive int (got {value!r})")
+        if self.every is not None and self.once is not None:
+            raise ValueError("pass either every= or once=, not both")
+
+    def fires(self, record: EventRecord) -> bool:
+        self.count += 1
+        if self.every is not None and self.count % self.every:
+            return False
+        if self.once is not None and self.count != self.once:
+            return False
+        return self.predicate is None or bool(self.predicate(record))
+
+
+class Listener:
+    """Base class for listeners: override the methods named after the events you need.
+
+    Subclassing is optional; the Trainer looks for methods named after :class:`Event` values on
+    any object passed in ``callbacks``. ``state_dict`` / ``load_state_dict`` let a listener's
+    own state (EarlyStopping's best score, say) travel in checkpoints.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None
+
+
+class _FunctionListener(Listener):
+    def __init__(self, flt: EventFilter, fn: Callable[[EventRecord], Any]) -> None:
+        self.filter = flt
+        self.fn = fn
+        setattr(self, flt.event.value, self._handle)
+
+    def _handle(self, record: EventRecord) -> Any:
+        if self.filter.fires(record):
+            return self.fn(record)
+        return None
+
+    def __repr__(self) -> str:
+        return f"on({self.filter.event.value}, {getattr(self.fn, '__name__', self.fn)!r})"
+
+
+def on(
+    event: Event | EventFilter,
+    fn: Callable[[EventRecord], Any],
+    *,
+    every: int | None = None,
+    once: int | None = None,
+    filter: Callable[[EventRecord], bool] | None = None,
+) -> Listener:
+    """A listener that calls ``fn(record)`` on ``event`` (filtered), for ``callbacks=[...]``.
+
+    Example:
+        >>> from engine.events import Event, on
+        >>> listener = on(Event.ON_VALIDATION_END, print, once=1)
+        >>> listener = on(Event.ON_TRAIN_BATCH_END(every=50), print)
+    """
+    if isinstance(event, EventFilter):
+        if every is not None or once is not None or filter is not None:
+            raise ValueError("give the filter either on the event or to on(), not both")
+        flt = EventFilter(
+            event.event, every=event.every, once=event.once, predicate=event.predicate
+        )
+    elif isinstance(event, Event):
+        flt = EventFilter(event, every=every, once=once, predicate=filter)
+    else:
+        raise TypeError(f"event must be an engine.Event (got {event!r})")
+    return _FunctionListener(flt, fn)
+
+
+class Emitter:
+    """Dispatches events to listeners; the handler table is built once, so an event nobody
+    listens to costs one dict lookup."""
+
+    def __init__(self, listeners: Iterable[Any]) -> None:
+        self.listeners = list(listeners)
+        self.table: dict[Event, list[Callable[[EventRecord], Any]]] = {}
+        for event in Event:
+            handlers = [
+                getattr(x, event.value)
+                for x in self.listeners
+                if callable(getattr(x, event.value, None))
+            ]
+            if handlers:
+                self.table[event] = handlers
+
+    def wants(self, event: Event) -> bool:
+        return event in self.table
+
+    def emit(self, event: Event, make_record: Callable[[], EventRecord]) -> list[Any]:
+        """Call the handlers of ``event``; returns the non-None requests they made."""
+        handlers = self.table.get(event)
+        if not handlers:
+            return []
+        record = make_record()
+        requests = []
+        for handle in handlers:
+            out = handle(record)
+            if out is not None:
+                requests.append(out)
+        return requests

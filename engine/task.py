@@ -1,0 +1,102 @@
+"""``Task``: the user's pure pieces in one record, usable with or without the Trainer.
+
+A task bundles what a LightningModule's ``training_step`` / ``validation_step`` /
+``test_step`` / ``predict_step`` / ``configure_optimizers`` provide, as plain functions. The
+Trainer builds its steps from it (adding accumulation, clipping and compilation inside them); a
+custom loop builds the same steps with :meth:`Task.train_step` and friends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+from torch import Tensor, nn
+
+from engine.optim.base import GradientTransformation, ScheduleLike
+from engine.state import TrainState
+from engine.step import (
+    EvalStep,
+    LossFn,
+    PredictStep,
+    TrainStep,
+    eval_step,
+    predict_step,
+    train_step,
+)
+
+__all__ = ["REDUCTIONS", "Task"]
+
+REDUCTIONS = ("mean", "sum", "max", "min")
+
+
+def _check_reduce(instance: Any, attribute: Any, value: Mapping[str, str]) -> None:
+    for name, how in value.items():
+        if how not in REDUCTIONS:
+            raise ValueError(
+                f"reduce[{name!r}] must be one of {', '.join(REDUCTIONS)} (got {how!r})"
+            )
+
+
+@attrs.frozen
+class Task:
+    """What to train and how to evaluate it, as pure functions.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch) -> loss`` or ``(loss, metrics)`` (Lightning's
+            ``training_step``).
+        tx: the optimizer (Lightning's ``configure_optimizers``).
+        eval_fn: ``eval_fn(model, batch)`` for validation: a loss, ``(loss, metrics)`` or a dict
+            of metrics. Defaults to ``loss_fn``.
+        test_fn: the same for ``Trainer.test``; defaults to ``eval_fn``.
+        predict_fn: ``predict_fn(model, batch) -> outputs``; defaults to ``model(batch)``.
+        lr: the learning rate or schedule ``tx`` uses, for learning-rate monitoring.
+        prog_bar: metric names (without the ``train/`` / ``val/`` prefix) shown in the progress
+            bar besides the loss.
+        reduce: how a metric is reduced over an epoch: ``"mean"`` (weighted by batch size, the
+            default), ``"sum"``, ``"max"`` or ``"min"``.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> import engine as eg
+        >>> from engine import optim
+        >>> task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+        >>> state = task.init(torch.nn.Linear(3, 1), seed=0)
+        >>> state, metrics = task.train_step()(state, (torch.randn(4, 3), torch.randn(4, 1)))
+        >>> state.step
+        1
+    """
+
+    loss_fn: LossFn
+    tx: GradientTransformation = attrs.field(
+        validator=attrs.validators.instance_of(GradientTransformation)
+    )
+    eval_fn: Callable[[Any, Any], Any] | None = None
+    test_fn: Callable[[Any, Any], Any] | None = None
+    predict_fn: Callable[[Any, Any], Any] | None = None
+    lr: ScheduleLike | None = None
+    prog_bar: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    reduce: Mapping[str, str] = attrs.field(factory=dict, validator=_check_reduce)
+
+    def init(
+        self, model: nn.Module | Mapping[str, Tensor], *, seed: int = 0, **kwargs: Any
+    ) -> TrainState:
+        """``TrainState.create(model, self.tx, seed=seed, **kwargs)``."""
+        return TrainState.create(model, self.tx, seed=seed, **kwargs)
+
+    def train_step(self, **kwargs: Any) -> TrainStep:
+        """``engine.train_step(self.loss_fn, self.tx, **kwargs)``."""
+        return train_step(self.loss_fn, self.tx, **kwargs)
+
+    def eval_step(self, **kwargs: Any) -> EvalStep:
+        """The validation step, ``engine.eval_step(self.eval_fn or self.loss_fn, **kwargs)``."""
+        return eval_step(self.eval_fn or self.loss_fn, **kwargs)
+
+    def test_step(self, **kwargs: Any) -> EvalStep:
+        """The test step: ``test_fn``, else the validation function."""
+        return eval_step(self.test_fn or self.eval_fn or self.loss_fn, **kwargs)
+
+    def predict_step(self, **kwargs: Any) -> PredictStep:
+        """The prediction step: ``predict_fn``, else ``model(batch)``."""
+        return predict_step(self.predict_fn, **kwargs)

@@ -1,0 +1,775 @@
+"""The Trainer: Lightning's fit / validate / test / predict as a thin driver over pure steps.
+
+The driver owns loop limits and the validation schedule, calls the steps built from a
+:class:`~engine.task.Task`, keeps host-side metrics, and emits :class:`~engine.events.Event` s.
+It never reaches inside a step. The loop semantics (which batches train, when the optimizer
+steps, when validation runs, what ``global_step`` / ``current_epoch`` read) follow Lightning 2.x;
+``tests/test_lightning_parity.py`` runs the same configurations through Lightning itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from engine import _config as cfg
+from engine.data import batch_size, count_batches, limit_batches, lookahead, resolve_loaders
+from engine.events import Emitter, Event, EventRecord, Stop
+from engine.metrics import MetricReducer
+from engine.optim import clip_by_global_norm, clip_by_value
+from engine.state import TrainState
+from engine.task import Task
+
+__all__ = ["Trainer"]
+
+INF = math.inf
+
+
+class Trainer:
+    """Lightning's ``Trainer``, as a driver of pure steps. Flags keep Lightning's names,
+    defaults and meanings.
+
+    ``fit`` returns the final :class:`TrainState`; ``validate`` / ``test`` return one dict of
+    floats per dataloader; ``predict`` returns the outputs (a list per dataloader when there are
+    several).
+
+    Engine-specific: ``compile`` (``True`` or ``torch.compile`` options) compiles the train and
+    eval steps. The flags ``accelerator``, ``strategy``, ``devices``, ``num_nodes``,
+    ``precision``, ``plugins``, ``sync_batchnorm`` and ``use_distributed_sampler`` accept their
+    single-process CPU values now; other values raise an error saying so.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> import engine as eg
+        >>> from engine import optim
+        >>> task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+        >>> data = [(torch.randn(8, 3), torch.randn(8, 1)) for _ in range(4)]
+        >>> trainer = eg.Trainer(max_epochs=2, barebones=True)
+        >>> state = trainer.fit(task, task.init(torch.nn.Linear(3, 1)), train_dataloaders=data)
+        >>> trainer.global_step, trainer.current_epoch
+        (8, 2)
+    """
+
+    def __init__(
+        self,
+        *,
+        accelerator: str = "auto",
+        strategy: str = "auto",
+        devices: int | str | Sequence[int] = "auto",
+        num_nodes: int = 1,
+        precision: int | str | None = None,
+        logger: Any = None,
+        callbacks: Any = None,
+        fast_dev_run: int | bool = False,
+        max_epochs: int | None = None,
+        min_epochs: int | None = None,
+        max_steps: int = -1,
+        min_steps: int | None = None,
+        max_time: str | timedelta | dict[str, int] | None = None,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
+        overfit_batches: int | float = 0.0,
+        val_check_interval: int | float | None = None,
+        check_val_every_n_epoch: int | None = 1,
+        num_sanity_val_steps: int | None = None,
+        log_every_n_steps: int | None = None,
+        enable_checkpointing: bool | None = None,
+        enable_progress_bar: bool | None = None,
+        enable_model_summary: bool | None = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: int | float | None = None,
+        gradient_clip_algorithm: str | None = None,
+        deterministic: bool | str | None = None,
+        benchmark: bool | None = None,
+        inference_mode: bool = True,
+        use_distributed_sampler: bool = True,
+        profiler: str | None = None,
+        detect_anomaly: bool = False,
+        barebones: bool = False,
+        plugins: Any = None,
+        sync_batchnorm: bool = False,
+        reload_dataloaders_every_n_epochs: int = 0,
+        default_root_dir: str | os.PathLike[str] | None = None,
+        compile: bool | Mapping[str, Any] = False,
+    ) -> None:
+        # -- placement and scale-out: single-process CPU until their own issues land
+        later = "other values arrive with the device/precision/distributed work"
+        cfg.check_choice("accelerator", accelerator, ("auto", "cpu"), later)
+        cfg.check_choice("strategy", strategy, ("auto", "single_device"), later)
+        cfg.check_choice("devices", devices, ("auto", 1, "1", -1, "-1", [0], (0,)), later)
+        cfg.check_choice("num_nodes", num_nodes, (1,), later)
+        cfg.check_choice("precision", precision, (None, 32, "32", "32-true"), later)
+        cfg.check_choice("plugins", plugins, (None, []), later)
+        cfg.check_choice("sync_batchnorm", sync_batchnorm, (False,), later)
+        cfg.check_choice("use_distributed_sampler", use_distributed_sampler, (True, False))
+        cfg.check_choice("inference_mode", inference_mode, (True, False))
+        cfg.check_choice("detect_anomaly", detect_anomaly, (True, False))
+        cfg.check_choice("barebones", barebones, (True, False))
+        cfg.check_choice("deterministic", deterministic, (None, True, False, "warn"))
+        cfg.check_choice("benchmark", benchmark, (None, True, False))
+        cfg.check_choice("profiler", profiler, (None, "simple", "pytorch"))
+        cfg.check_choice(
+            "gradient_clip_algorithm", gradient_clip_algorithm, (None, "norm", "value")
+        )
+        if gradient_clip_val is not None and (
+            isinstance(gradient_clip_val, bool)
+            or not isinstance(gradient_clip_val, (int, float))
+            or gradient_clip_val < 0
+        ):
+            raise ValueError(
+                f"Trainer(gradient_clip_val={gradient_clip_val!r}): pass a number >= 0 or None"
+            )
+
+        # -- loop limits
+        self.max_steps = cfg.check_int("max_steps", max_steps, minimum=-1)
+        self.min_steps = cfg.check_int("min_steps", min_steps, minimum=0, allow_none=True)
+        self.min_epochs = cfg.check_int("min_epochs", min_epochs, minimum=0, allow_none=True)
+        cfg.check_int("max_epochs", max_epochs, minimum=-1, allow_none=True)
+        self.max_time = cfg.parse_max_time(max_time)
+        if max_epochs is None:
+            max_epochs = 1000 if self.max_steps == -1 and self.max_time is None else -1
+        self.max_epochs = max_epochs
+        self.limit_train_batches = cfg.check_limit("limit_train_batches", limit_train_batches)
+        self.limit_val_batches = cfg.check_limit("limit_val_batches", limit_val_batches)
+        self.limit_test_batches = cfg.check_limit("limit_test_batches", limit_test_batches)
+        self.limit_predict_batches = cfg.check_limit("limit_predict_batches", limit_predict_batches)
+        self.overfit_batches = cfg.check_limit("overfit_batches", overfit_batches)
+        if self.overfit_batches > 0:
+            self.limit_train_batches = self.overfit_batches
+            self.limit_val_batches = self.overfit_batches
+        self.val_check_interval = cfg.check_val_check_interval(val_check_interval)
+        self.check_val_every_n_epoch = cfg.check_int(
+            "check_val_every_n_epoch", check_val_every_n_epoch, minimum=1, allow_none=True
+        )
+        self.num_sanity_val_steps = cfg.sanity_steps(num_sanity_val_steps)
+        self.accumulate_grad_batches = cfg.check_int(
+            "accumulate_grad_batches", accumulate_grad_batches, minimum=1
+        )
+        self.reload_dataloaders_every_n_epochs = cfg.check_int(
+            "reload_dataloaders_every_n_epochs", reload_dataloaders_every_n_epochs, minimum=0
+        )
+        if log_every_n_steps is not None:
+            cfg.check_int("log_every_n_steps", log_every_n_steps, minimum=1)
+
+        # -- fast_dev_run: n batches of everything, once, no loggers (Lightning's meaning)
+        cfg.check_int("fast_dev_run", int(fast_dev_run), minimum=0)
+        self.fast_dev_run = int(fast_dev_run)
+        if self.fast_dev_run:
+            n = self.fast_dev_run
+            self.limit_train_batches = self.limit_val_batches = n
+            self.limit_test_batches = self.limit_predict_batches = n
+            self.max_steps, self.max_epochs, self.num_sanity_val_steps = n, 1, 0
+            self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
+
+        # -- barebones: the bare loop; everything that costs per step is off and refused
+        self.barebones = barebones
+        if barebones:
+            offending = {
+                "logger": logger not in (None, False),
+                "enable_checkpointing": bool(enable_checkpointing),
+                "enable_progress_bar": bool(enable_progress_bar),
+                "enable_model_summary": bool(enable_model_summary),
+                "log_every_n_steps": log_every_n_steps is not None,
+                "detect_anomaly": detect_anomaly,
+                "profiler": profiler is not None,
+            }
+            for flag, on in offending.items():
+                if on:
+                    raise ValueError(
+                        f"`Trainer(barebones=True)` doesn't support `{flag}`; barebones turns off "
+                        f"everything with per-step cost. Drop `{flag}=...` or set barebones=False."
+                    )
+            enable_checkpointing = enable_progress_bar = enable_model_summary = False
+            logger = False
+        self.log_every_n_steps = log_every_n_steps if log_every_n_steps is not None else 50
+        self.enable_checkpointing = enable_checkpointing is not False
+        self.enable_progress_bar = enable_progress_bar is not False
+        self.enable_model_summary = enable_model_summary is not False
+
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
+        self.deterministic = deterministic
+        self.benchmark = benchmark
+        self.inference_mode = inference_mode
+        self.detect_anomaly = detect_anomaly
+        self.profiler = profiler
+        self.compile = compile
+        self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
+
+        self.loggers = [] if self.fast_dev_run else self._build_loggers(logger)
+        self.callbacks = self._build_callbacks(callbacks)
+
+        # -- run state (host side)
+        self.task: Task | None = None
+        self._state: TrainState | None = None
+        self.should_stop = False
+        self.stage: str | None = None
+        self.sanity_checking = False
+        self.num_training_batches: float = 0
+        self.num_val_batches: list[float] = []
+        self.num_test_batches: list[float] = []
+        self.num_predict_batches: list[float] = []
+        self.val_check_batch: float = INF
+        self.callback_metrics: dict[str, float] = {}
+        self.logged_metrics: dict[str, float] = {}
+        self.progress_bar_metrics: dict[str, float] = {}
+        self.profile: dict[str, list[float]] = {}
+
+    # ------------------------------------------------------------------ construction helpers
+
+    def _build_loggers(self, logger: Any) -> list[Any]:
+        if logger is False:
+            return []
+        if logger is None or logger is True:
+            from engine.loggers import TensorBoardLogger
+
+            return [TensorBoardLogger(self.default_root_dir)]
+        loggers = list(logger) if isinstance(logger, (list, tuple)) else [logger]
+        for lg in loggers:
+            if not callable(getattr(lg, "log_metrics", None)):
+                raise ValueError(
+                    f"Trainer(logger=...): {lg!r} has no log_metrics(metrics, step) method; pass "
+                    "an engine.loggers logger (TensorBoardLogger, CSVLogger), a list, or False"
+                )
+        return loggers
+
+    def _build_callbacks(self, callbacks: Any) -> list[Any]:
+        listeners = list(callbacks or [])
+        if self.enable_progress_bar and not any(_is(x, "ProgressBar") for x in listeners):
+            from engine.listeners import ProgressBar
+
+            listeners.append(ProgressBar())
+        if self.enable_model_summary and not any(_is(x, "ModelSummary") for x in listeners):
+            from engine.listeners import ModelSummary
+
+            listeners.insert(0, ModelSummary())
+        if self.max_time is not None and not any(_is(x, "Timer") for x in listeners):
+            from engine.listeners import Timer
+
+            listeners.append(Timer(self.max_time, interval="step", verbose=False))
+        return listeners
+
+    # ------------------------------------------------------------------ read-only views
+
+    @property
+    def state(self) -> TrainState | None:
+        """The latest state of the current or last run."""
+        return self._state
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (Lightning's ``trainer.global_step``)."""
+        return self._state.step if self._state is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        """Completed epochs; incremented after ``on_train_epoch_end`` (as in Lightning)."""
+        return self._state.epoch if self._state is not None else 0
+
+    @property
+    def log_dir(self) -> str | None:
+        """The first logger's directory, else ``default_root_dir``."""
+        for lg in self.loggers:
+            d = getattr(lg, "log_dir", None)
+            if d:
+                return str(d)
+        return self.default_root_dir
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Send host-side metrics to every logger and record them as logged/callback metrics."""
+        step = self.global_step if step is None else step
+        for lg in self.loggers:
+            lg.log_metrics(dict(metrics), step)
+        self.logged_metrics.update(metrics)
+        self.callback_metrics.update(metrics)
+
+    # ------------------------------------------------------------------ events
+
+    def _emit(self, event: Event, **fields: Any) -> None:
+        if not self._emitter.wants(event):
+            return
+
+        def record() -> EventRecord:
+            return EventRecord(
+                event=event,
+                stage="sanity_check" if self.sanity_checking else (self.stage or ""),
+                state=self._state,
+                metrics=dict(self.callback_metrics),
+                trainer=self,
+                **fields,
+            )
+
+        for request in self._emitter.emit(event, record):
+            if isinstance(request, Stop):
+                self.should_stop = True
+
+    @contextlib.contextmanager
+    def _run(self, stage: str, task: Task, state: TrainState) -> Iterator[None]:
+        if not isinstance(task, Task):
+            raise TypeError(f"task must be an engine.Task (got {type(task).__name__})")
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"state must be an engine.TrainState (got {type(state).__name__}); build one "
+                "with task.init(model, seed=...)"
+            )
+        state.check_alive(f"Trainer.{stage}()")
+        self.task, self._state, self.stage = task, state, stage
+        self.should_stop = False
+        self._emitter = Emitter(self.callbacks)
+        stack = contextlib.ExitStack()
+        if self.detect_anomaly:
+            stack.enter_context(torch.autograd.detect_anomaly())
+        if self.deterministic is not None:
+            previous = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(
+                bool(self.deterministic), warn_only=self.deterministic == "warn"
+            )
+            stack.callback(torch.use_deterministic_algorithms, previous)
+        if self.benchmark is not None:
+            previous_bm = torch.backends.cudnn.benchmark
+            torch.backends.cudnn.benchmark = self.benchmark
+            stack.callback(setattr, torch.backends.cudnn, "benchmark", previous_bm)
+        profiler = self._profiler(stage)
+        stack.enter_context(profiler)
+        with stack:
+            self._emit(Event.SETUP)
+            try:
+                yield
+            except BaseException as e:
+                self._emit(Event.ON_EXCEPTION, exception=e)
+                for lg in self.loggers:
+                    if callable(getattr(lg, "finalize", None)):
+                        lg.finalize(
+                            "failed" if not isinstance(e, KeyboardInterrupt) else "interrupted"
+                        )
+                raise
+            self._emit(Event.TEARDOWN)
+            for lg in self.loggers:
+                if callable(getattr(lg, "finalize", None)):
+                    lg.finalize("success")
+
+    # ------------------------------------------------------------------ fit
+
+    def fit(
+        self,
+        task: Task,
+        state: TrainState,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: Any = None,
+        ckpt_path: str | None = None,
+    ) -> TrainState:
+        """Train ``state`` and return the final state.
+
+        Args:
+            task: the loss, optimizer and evaluation functions.
+            state: the initial state (consumed: the steps donate its tensors).
+            train_dataloaders: an iterable of batches (or a datamodule).
+            val_dataloaders: one iterable or a list of them.
+            datamodule: an object with ``train_dataloader()`` / ``val_dataloader()`` methods.
+            ckpt_path: resume from a checkpoint (arrives with the checkpoint work).
+        """
+        _refuse_ckpt(ckpt_path)
+        if (
+            datamodule is None
+            and train_dataloaders is not None
+            and hasattr(train_dataloaders, "train_dataloader")
+        ):
+            datamodule, train_dataloaders = train_dataloaders, None
+        train_loaders = resolve_loaders("fit", train_dataloaders, datamodule, "train_dataloader")
+        if len(train_loaders) != 1:
+            raise ValueError(
+                f"Trainer.fit() takes exactly one training dataloader (got {len(train_loaders)})"
+            )
+        val_loaders = resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
+        with self._run("fit", task, state):
+            self._fit(task, train_loaders[0], val_loaders, datamodule)
+        assert self._state is not None
+        return self._state
+
+    def _fit(self, task: Task, train_loader: Any, val_loaders: list[Any], dm: Any) -> None:
+        clip = None
+        if self.gradient_clip_val:
+            clip = (
+                clip_by_global_norm if self.gradient_clip_algorithm == "norm" else clip_by_value
+            )(float(self.gradient_clip_val))
+        step = task.train_step(
+            accumulate=self.accumulate_grad_batches, clip=clip, compile=self.compile
+        )
+        evaluate = task.eval_step(inference_mode=self.inference_mode, compile=self.compile)
+        self.num_val_batches = [
+            limit_batches("val", count_batches(dl), self.limit_val_batches) for dl in val_loaders
+        ]
+        enable_validation = sum(self.num_val_batches) > 0
+        self._emit(Event.ON_FIT_START)
+
+        sanity = [min(self.num_sanity_val_steps, n) for n in self.num_val_batches]
+        if enable_validation and sum(sanity) > 0:
+            self.sanity_checking = True
+            self._emit(Event.ON_SANITY_CHECK_START)
+            self._evaluate("validation", evaluate, val_loaders, sanity, log=False)
+            self._emit(Event.ON_SANITY_CHECK_END)
+            self.sanity_checking = False
+
+        self._emit(Event.ON_TRAIN_START)
+        reducer = MetricReducer(task.reduce)
+        track = not self.barebones  # barebones: no metric bookkeeping at all
+        total_batch_idx = 0
+        last_reload = None
+        while not self._fit_done():
+            epoch = self.current_epoch
+            if (
+                self.reload_dataloaders_every_n_epochs
+                and dm is not None
+                and (
+                    last_reload is not None
+                    and epoch - last_reload >= self.reload_dataloaders_every_n_epochs
+                )
+            ):
+                train_loader = resolve_loaders("fit", None, dm, "train_dataloader")[0]
+                last_reload = epoch
+            last_reload = epoch if last_reload is None else last_reload
+            self.num_training_batches = limit_batches(
+                "train", count_batches(train_loader), self.limit_train_batches
+            )
+            if self.num_training_batches == 0:
+                break
+            self.val_check_batch = self._val_check_batch(enable_validation)
+            validate_this_epoch = enable_validation and (
+                self.check_val_every_n_epoch is None
+                or (epoch + 1) % self.check_val_every_n_epoch == 0
+            )
+            self._emit(Event.ON_TRAIN_EPOCH_START)
+            assert self._state is not None
+            skip = self._state.batch_idx  # a state handed over mid-epoch resumes there
+            for batch_idx, batch, is_last in lookahead(train_loader, self.num_training_batches):
+                if batch_idx < skip:
+                    continue
+                self._emit(Event.ON_TRAIN_BATCH_START, batch=batch, batch_idx=batch_idx)
+                steps = is_last or (batch_idx + 1) % self.accumulate_grad_batches == 0
+                if steps:
+                    self._emit(Event.ON_BEFORE_OPTIMIZER_STEP, batch_idx=batch_idx)
+                self._state, metrics = step(self._state, batch, flush=is_last)
+                if track:
+                    reducer.update(metrics, batch_size(batch))
+                    if steps and self._state.step % self.log_every_n_steps == 0:
+                        self._log_step(metrics)
+                self._emit(
+                    Event.ON_TRAIN_BATCH_END, outputs=metrics, batch=batch, batch_idx=batch_idx
+                )
+                if validate_this_epoch and self._should_validate(
+                    batch_idx, total_batch_idx, is_last
+                ):
+                    self._evaluate(
+                        "validation", evaluate, val_loaders, self.num_val_batches, log=True
+                    )
+                total_batch_idx += 1
+                if self._epoch_done():
+                    break
+            if track:
+                epoch_metrics = {f"train/{k}_epoch": v for k, v in reducer.compute().items()}
+                reducer.reset()
+                self.log_metrics(epoch_metrics)
+                self._update_prog_bar(epoch_metrics)
+            self._emit(Event.ON_TRAIN_EPOCH_END)
+            self._state = self._state.replace(epoch=epoch + 1, batch_idx=0)
+        self._emit(Event.ON_TRAIN_END)
+        self._emit(Event.ON_FIT_END)
+
+    def _val_check_batch(self, enable_validation: bool) -> float:
+        if isinstance(self.val_check_interval, int):
+            if (
+                self.val_check_interval > self.num_training_batches
+                and self.check_val_every_n_epoch is not None
+                and enable_validation
+            ):
+                raise ValueError(
+                    f"Trainer(val_check_interval={self.val_check_interval}) must be at most the "
+                    f"number of training batches ({self.num_training_batches}); set "
+                    "check_val_every_n_epoch=None to count batches across epochs, or "
+                    "limit_val_batches=0 to turn validation off"
+                )
+            return self.val_check_interval
+        if self.num_training_batches == INF:
+            if self.val_check_interval != 1.0:
+                raise ValueError(
+                    f"Trainer(val_check_interval={self.val_check_interval}): with a training "
+                    "dataloader without a length, pass 1.0 (at the end of the data) or an int"
+                )
+            return INF
+        return max(1, int(self.num_training_batches * self.val_check_interval))
+
+    def _should_validate(self, batch_idx: int, total_batch_idx: int, is_last: bool) -> bool:
+        if is_last and self.val_check_batch == INF:
+            return True
+        if self.should_stop and self._can_stop_early():
+            return True
+        if self.val_check_batch == INF:
+            return False
+        i = total_batch_idx if self.check_val_every_n_epoch is None else batch_idx
+        return (i + 1) % self.val_check_batch == 0
+
+    def _can_stop_early(self) -> bool:
+        met_epochs = self.current_epoch >= self.min_epochs if self.min_epochs else True
+        met_steps = self.global_step >= self.min_steps if self.min_steps else True
+        return met_epochs and met_steps
+
+    def _epoch_done(self) -> bool:
+        if 0 <= self.max_steps <= self.global_step:
+            return True
+        return self.should_stop and self._can_stop_early()
+
+    def _fit_done(self) -> bool:
+        if 0 <= self.max_steps <= self.global_step:
+            return True
+        if 0 <= self.max_epochs <= self.current_epoch:
+            return True
+        return self.should_stop and self._can_stop_early()
+
+    # ------------------------------------------------------------------ metrics
+
+    def _log_step(self, metrics: Mapping[str, torch.Tensor]) -> None:
+        keys = list(metrics)
+        values = torch.stack([metrics[k].detach().float().mean() for k in keys]).tolist()
+        host = {f"train/{k}": v for k, v in zip(keys, values, strict=True)}
+        self.log_metrics(host)
+        self._update_prog_bar(host)
+
+    def _update_prog_bar(self, metrics: Mapping[str, float]) -> None:
+        assert self.task is not None
+        shown = {"loss", *self.task.prog_bar}
+        for k, v in metrics.items():
+            name = k.split("/", 1)[-1].removesuffix("_epoch")
+            if name in shown:
+                self.progress_bar_metrics[k] = v
+
+    # ------------------------------------------------------------------ evaluation loops
+
+    def _evaluate(
+        self,
+        kind: str,
+        step: Any,
+        loaders: list[Any],
+        limits: Sequence[float],
+        *,
+        log: bool,
+    ) -> list[dict[str, float]]:
+        ev = _EVAL_EVENTS[kind]
+        prefix = "val" if kind == "validation" else kind
+        self._emit(ev["start"])
+        self._emit(ev["epoch_start"])
+        assert self._state is not None and self.task is not None
+        results: list[dict[str, float]] = []
+        for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
+            reducer = MetricReducer(self.task.reduce)
+            for batch_idx, batch, _ in lookahead(loader, limit):
+                self._emit(
+                    ev["batch_start"], batch=batch, batch_idx=batch_idx, dataloader_idx=dl_idx
+                )
+                metrics = step(self._state, batch)
+                reducer.update(metrics, batch_size(batch))
+                self._emit(
+                    ev["batch_end"],
+                    outputs=metrics,
+                    batch=batch,
+                    batch_idx=batch_idx,
+                    dataloader_idx=dl_idx,
+                )
+            suffix = f"/dataloader_idx_{dl_idx}" if len(loaders) > 1 else ""
+            results.append({f"{prefix}/{k}{suffix}": v for k, v in reducer.compute().items()})
+        if log and not self.sanity_checking:
+            merged = {k: v for r in results for k, v in r.items()}
+            if self.stage == "fit":
+                self.log_metrics(merged)
+            else:
+                self.logged_metrics.update(merged)
+                self.callback_metrics.update(merged)
+                for lg in self.loggers:
+                    lg.log_metrics(merged, self.global_step)
+            self._update_prog_bar(merged)
+        self._emit(ev["epoch_end"])
+        self._emit(ev["end"])
+        return results
+
+    def validate(
+        self,
+        task: Task,
+        state: TrainState,
+        dataloaders: Any = None,
+        ckpt_path: str | None = None,
+        verbose: bool = True,
+        datamodule: Any = None,
+    ) -> list[dict[str, float]]:
+        """Run one validation epoch; returns one dict of metrics per dataloader."""
+        return self._eval_entry(
+            "validate", "validation", task, state, dataloaders, datamodule, ckpt_path, verbose
+        )
+
+    def test(
+        self,
+        task: Task,
+        state: TrainState,
+        dataloaders: Any = None,
+        ckpt_path: str | None = None,
+        verbose: bool = True,
+        datamodule: Any = None,
+    ) -> list[dict[str, float]]:
+        """Run one test epoch; returns one dict of metrics per dataloader."""
+        return self._eval_entry(
+            "test", "test", task, state, dataloaders, datamodule, ckpt_path, verbose
+        )
+
+    def _eval_entry(
+        self,
+        stage: str,
+        kind: str,
+        task: Task,
+        state: TrainState,
+        dataloaders: Any,
+        datamodule: Any,
+        ckpt_path: str | None,
+        verbose: bool,
+    ) -> list[dict[str, float]]:
+        _refuse_ckpt(ckpt_path)
+        method = "val_dataloader" if kind == "validation" else "test_dataloader"
+        loaders = resolve_loaders(stage, dataloaders, datamodule, method)
+        if not loaders:
+            raise ValueError(
+                f"Trainer.{stage}() needs dataloaders= or a datamodule with {method}()"
+            )
+        limit = self.limit_val_batches if kind == "validation" else self.limit_test_batches
+        limits = [limit_batches(kind, count_batches(dl), limit) for dl in loaders]
+        if kind == "validation":
+            self.num_val_batches = limits
+        else:
+            self.num_test_batches = limits
+        step = (task.eval_step if kind == "validation" else task.test_step)(
+            inference_mode=self.inference_mode, compile=self.compile
+        )
+        with self._run(stage, task, state):
+            results = self._evaluate(kind, step, loaders, limits, log=True)
+        if verbose and not self.barebones:
+            _print_results(stage, results)
+        return results
+
+    def predict(
+        self,
+        task: Task,
+        state: TrainState,
+        dataloaders: Any = None,
+        datamodule: Any = None,
+        return_predictions: bool | None = None,
+        ckpt_path: str | None = None,
+    ) -> list[Any] | None:
+        """Run prediction; returns the outputs (a list per dataloader when there are several)."""
+        _refuse_ckpt(ckpt_path)
+        loaders = resolve_loaders("predict", dataloaders, datamodule, "predict_dataloader")
+        if not loaders:
+            raise ValueError(
+                "Trainer.predict() needs dataloaders= or a datamodule with predict_dataloader()"
+            )
+        limits = [
+            limit_batches("predict", count_batches(dl), self.limit_predict_batches)
+            for dl in loaders
+        ]
+        self.num_predict_batches = limits
+        step = task.predict_step(inference_mode=self.inference_mode, compile=self.compile)
+        keep = return_predictions is not False
+        outputs: list[list[Any]] = []
+        with self._run("predict", task, state):
+            self._emit(Event.ON_PREDICT_START)
+            self._emit(Event.ON_PREDICT_EPOCH_START)
+            for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
+                outs: list[Any] = []
+                for batch_idx, batch, _ in lookahead(loader, limit):
+                    self._emit(
+                        Event.ON_PREDICT_BATCH_START,
+                        batch=batch,
+                        batch_idx=batch_idx,
+                        dataloader_idx=dl_idx,
+                    )
+                    out = step(state, batch)
+                    if keep:
+                        outs.append(out)
+                    self._emit(
+                        Event.ON_PREDICT_BATCH_END,
+                        outputs=out,
+                        batch=batch,
+                        batch_idx=batch_idx,
+                        dataloader_idx=dl_idx,
+                    )
+                outputs.append(outs)
+            self._emit(Event.ON_PREDICT_EPOCH_END)
+            self._emit(Event.ON_PREDICT_END)
+        if not keep:
+            return None
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    # ------------------------------------------------------------------ profiling
+
+    @contextlib.contextmanager
+    def _profiler(self, stage: str) -> Iterator[None]:
+        if self.profiler is None:
+            yield
+            return
+        log_dir = self.log_dir or self.default_root_dir
+        os.makedirs(log_dir, exist_ok=True)
+        if self.profiler == "pytorch":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                yield
+            path = os.path.join(log_dir, f"{stage}-trace.json")
+            prof.export_chrome_trace(path)
+            print(f"PyTorch profiler trace written to {path}")
+            return
+        start = time.perf_counter()
+        self.profile = {}
+        yield
+        total = time.perf_counter() - start
+        report = f"Simple profiler: {stage} took {total:.3f}s"
+        with open(os.path.join(log_dir, f"{stage}-profile.txt"), "w") as f:
+            f.write(report + "\n")
+        print(report)
+
+
+_EVAL_EVENTS = {
+    kind: {
+        "start": Event[f"ON_{name}_START"],
+        "epoch_start": Event[f"ON_{name}_EPOCH_START"],
+        "batch_start": Event[f"ON_{name}_BATCH_START"],
+        "batch_end": Event[f"ON_{name}_BATCH_END"],
+        "epoch_end": Event[f"ON_{name}_EPOCH_END"],
+        "end": Event[f"ON_{name}_END"],
+    }
+    for kind, name in (("validation", "VALIDATION"), ("test", "TEST"))
+}
+
+
+def _is(obj: Any, cls_name: str) -> bool:
+    return any(c.__name__ == cls_name for c in type(obj).__mro__)
+
+
+def _refuse_ckpt(ckpt_path: Any) -> None:
+    if ckpt_path is not None:
+        raise NotImplementedError(
+            f"ckpt_path={ckpt_path!r}: resuming from checkpoints arrives with the checkpoint "
+            "work; until then pass the TrainState to continue from"
+        )
+
+
+def _print_results(stage: str, results: list[dict[str, float]]) -> None:
+    for i, r in enumerate(results):
+        head = f"{stage} results" + (f" (dataloader {i})" if len(results) > 1 else "")
+        print(head)
+        for k, v in r.items():
+            print(f"  {k:32s} {v:.6g}")

@@ -1,0 +1,251 @@
+"""Lightning itself is the oracle: the same configurations through both trainers must announce
+the same hooks, in the same order, with the same batch indices, ``global_step`` and
+``current_epoch``, and end with the same counters.
+
+Hooks that in Lightning run inside the step (``on_before_zero_grad``, ``on_before_backward``,
+``on_after_backward``) have no event in engine (they are gradient transformations there), so
+they are dropped from Lightning's sequence before comparing.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import engine as eg
+from engine import optim
+
+pl = pytest.importorskip("pytorch_lightning")
+
+INSIDE_THE_STEP = {"on_before_zero_grad", "on_before_backward", "on_after_backward"}
+NOT_COMPARED = INSIDE_THE_STEP | {"on_save_checkpoint", "on_load_checkpoint", "on_exception"}
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+class _Stream(IterableDataset):
+    """An iterable dataset without a length."""
+
+    def __init__(self, n: int) -> None:
+        self.data = torch.randn(n, 2, generator=torch.Generator().manual_seed(1))
+
+    def __iter__(self):
+        yield from ((x,) for x in self.data)
+
+
+def _loaders(n_train=10, train_bs=2, n_val=10, val_bs=5, n_val_loaders=1, iterable=False):
+    g = torch.Generator().manual_seed(0)
+    train_ds = _Stream(n_train) if iterable else TensorDataset(torch.randn(n_train, 2, generator=g))
+    train = DataLoader(train_ds, batch_size=train_bs)
+    vals = [
+        DataLoader(TensorDataset(torch.randn(n_val, 2, generator=g)), batch_size=val_bs)
+        for _ in range(n_val_loaders)
+    ]
+    return train, (vals[0] if n_val_loaders == 1 else vals) if n_val_loaders else None
+
+
+def _row(name, trainer, batch_idx=None, dataloader_idx=None):
+    return (name, batch_idx, dataloader_idx, trainer.global_step, trainer.current_epoch)
+
+
+# ----------------------------------------------------------------------------- Lightning side
+
+
+def _lightning_run(kwargs, loaders, stop_at=None):
+    _quiet()
+    calls = []
+
+    class Recorder(pl.Callback):
+        pass
+
+    def make(name):
+        def hook(self, trainer, pl_module=None, *args, **kw):
+            if name == "on_train_batch_start":
+                calls.append(_row(name, trainer, args[1]))
+            elif name == "on_train_batch_end":
+                calls.append(_row(name, trainer, args[2]))
+            elif name.endswith("_batch_start"):
+                di = args[2] if len(args) > 2 else kw.get("dataloader_idx", 0)
+                calls.append(_row(name, trainer, args[1], di))
+            elif name.endswith("_batch_end"):
+                di = args[3] if len(args) > 3 else kw.get("dataloader_idx", 0)
+                calls.append(_row(name, trainer, args[2], di))
+            else:
+                calls.append(_row(name, trainer))
+            if stop_at is not None and stop_at(name, trainer):
+                trainer.should_stop = True
+
+        return hook
+
+    for name in dir(pl.Callback):
+        if name.startswith("on_") or name in ("setup", "teardown"):
+            setattr(Recorder, name, make(name))
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            self.log("v", self.layer(batch[0]).mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(
+        callbacks=[Recorder()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+    train, val = loaders
+    trainer.fit(Module(), train, val)
+    rows = [c for c in calls if c[0] not in NOT_COMPARED]
+    return rows, (trainer.global_step, trainer.current_epoch)
+
+
+# ----------------------------------------------------------------------------- engine side
+
+
+def _engine_run(kwargs, loaders, stop_at=None):
+    calls = []
+
+    class Recorder(eg.Listener):
+        pass
+
+    def make(name):
+        def handle(self, rec):
+            t = rec.trainer
+            if name.endswith("_batch_start") or name.endswith("_batch_end"):
+                di = None if "train" in name else rec.dataloader_idx
+                calls.append(_row(name, t, rec.batch_idx, di))
+            else:
+                calls.append(_row(name, t))
+            if stop_at is not None and stop_at(name, t):
+                return eg.Stop("test")
+            return None
+
+        return handle
+
+    for ev in eg.Event:
+        setattr(Recorder, ev.value, make(ev.value))
+
+    task = eg.Task(
+        lambda m, b: m(b[0]).pow(2).mean(),
+        optim.sgd(0.1),
+        eval_fn=lambda m, b: {"v": m(b[0]).mean()},
+    )
+    torch.manual_seed(0)
+    state = task.init(torch.nn.Linear(2, 1))
+    trainer = eg.Trainer(
+        callbacks=[Recorder()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+    train, val = loaders
+    trainer.fit(task, state, train, val)
+    rows = [c for c in calls if c[0] not in NOT_COMPARED]
+    return rows, (trainer.global_step, trainer.current_epoch)
+
+
+def _compare(kwargs, loader_kw=None, stop_at=None):
+    loader_kw = loader_kw or {}
+    theirs = _lightning_run(kwargs, _loaders(**loader_kw), stop_at)
+    ours = _engine_run(kwargs, _loaders(**loader_kw), stop_at)
+    assert ours[1] == theirs[1], (
+        f"(global_step, current_epoch): ours {ours[1]}, Lightning {theirs[1]}"
+    )
+    for i, (a, b) in enumerate(zip(ours[0], theirs[0], strict=False)):
+        assert a == b, f"event {i}: ours {a}, Lightning {b}"
+    assert len(ours[0]) == len(theirs[0]), (len(ours[0]), len(theirs[0]))
+
+
+FIT_CONFIGS = {
+    "defaults-2-epochs": ({"max_epochs": 2}, {}),
+    "val-twice-per-epoch-accumulate": (
+        {"max_epochs": 1, "val_check_interval": 0.5, "accumulate_grad_batches": 2},
+        {},
+    ),
+    "val-quarter": ({"max_epochs": 2, "val_check_interval": 0.25}, {}),
+    "val-every-2-batches": ({"max_epochs": 2, "val_check_interval": 2}, {}),
+    "val-every-3-batches-across-epochs": (
+        {"max_epochs": 3, "val_check_interval": 3, "check_val_every_n_epoch": None},
+        {},
+    ),
+    "val-every-2nd-epoch": ({"max_epochs": 4, "check_val_every_n_epoch": 2}, {}),
+    "accumulate-3-partial-window": ({"max_epochs": 2, "accumulate_grad_batches": 3}, {}),
+    "limit-train-int": ({"max_epochs": 2, "limit_train_batches": 3}, {}),
+    "limit-train-fraction": ({"max_epochs": 2, "limit_train_batches": 0.5}, {}),
+    "limit-val-int": ({"max_epochs": 1, "limit_val_batches": 1}, {}),
+    "limit-val-zero": ({"max_epochs": 2, "limit_val_batches": 0}, {}),
+    "max-steps-mid-epoch": ({"max_steps": 3}, {}),
+    "max-steps-with-accumulation": ({"max_steps": 4, "accumulate_grad_batches": 2}, {}),
+    "max-steps-and-epochs": ({"max_steps": 100, "max_epochs": 2}, {}),
+    "no-sanity": ({"max_epochs": 1, "num_sanity_val_steps": 0}, {}),
+    "sanity-all": ({"max_epochs": 1, "num_sanity_val_steps": -1}, {"n_val": 15}),
+    "sanity-one": ({"max_epochs": 1, "num_sanity_val_steps": 1}, {}),
+    "fast-dev-run": ({"fast_dev_run": True}, {}),
+    "fast-dev-run-3": ({"fast_dev_run": 3}, {}),
+    "overfit-batches": ({"max_epochs": 2, "overfit_batches": 2}, {}),
+    "two-val-loaders": ({"max_epochs": 1}, {"n_val_loaders": 2}),
+    "no-val-loader": ({"max_epochs": 2}, {"n_val_loaders": 0}),
+    "iterable-train": ({"max_epochs": 2, "accumulate_grad_batches": 2}, {"iterable": True}),
+    "iterable-train-val-int": (
+        {"max_epochs": 2, "val_check_interval": 2, "check_val_every_n_epoch": None},
+        {"iterable": True},
+    ),
+    "min-steps": ({"max_epochs": 1, "min_steps": 8}, {}),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "loader_kw"), FIT_CONFIGS.values(), ids=FIT_CONFIGS.keys())
+def test_fit_matches_lightning(kwargs, loader_kw):
+    _compare(kwargs, loader_kw)
+
+
+def _stop_after_first_validation(name, trainer):
+    return name == "on_validation_end" and not trainer.sanity_checking
+
+
+def _stop_at_batch(k):
+    def stop(name, trainer):
+        return name == "on_train_batch_end" and trainer.global_step == k
+
+    return stop
+
+
+STOP_CONFIGS = {
+    "stop-at-validation": ({"max_epochs": 5}, _stop_after_first_validation),
+    "stop-respects-min-epochs": (
+        {"max_epochs": 5, "min_epochs": 3},
+        _stop_after_first_validation,
+    ),
+    "stop-mid-epoch": ({"max_epochs": 5}, _stop_at_batch(2)),
+    "stop-mid-epoch-min-steps": ({"max_epochs": 5, "min_steps": 7}, _stop_at_batch(2)),
+    "stop-mid-epoch-val-quarter": (
+        {"max_epochs": 3, "val_check_interval": 0.25},
+        _stop_at_batch(3),
+    ),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "stop_at"), STOP_CONFIGS.values(), ids=STOP_CONFIGS.keys())
+def test_stopping_matches_lightning(kwargs, stop_at):
+    _compare(kwargs, stop_at=stop_at)
