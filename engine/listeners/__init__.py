@@ -1,0 +1,38 @@
+"""Listeners: the Trainer's Lightning-style callbacks, as objects that react to events.
+
+Each listener has methods named after :class:`~engine.events.Event` values; it reads the
+immutable :class:`~engine.events.EventRecord` (state, metrics, the trainer's read-only
+properties) and may return :class:`~engine.events.Stop` to ask the Trainer to stop fitting.
+Those with state worth checkpointing (``EarlyStopping``, ``Timer``) implement ``state_dict`` /
+``load_state_dict``.
+
+========================  ======================================================
+:class:`ProgressBar`      tqdm bars for the training, validation, test and predict loops
+:class:`ModelSummary`     a table of layers and parameter counts when fitting starts
+:class:`EarlyStopping`    stop when a monitored metric stops improving
+:class:`LearningRateMonitor`  log the learning rate (metric ``"lr"``) with the loggers
+:class:`Timer`            time each loop; stop when a time budget is spent
+========================  ======================================================
+
+Example:
+    >>> from engine.listeners import EarlyStopping, LearningRateMonitor, Timer
+    >>> listeners = [EarlyStopping("val/loss", patience=5), LearningRateMonitor("step"),
+    ...              Timer(duration="00:01:00:00")]
+"""
+
+from engine.listeners.early_stopping import EarlyStopping, EarlyStoppingReason
+from engine.listeners.lr_monitor import LearningRateMonitor
+from engine.listeners.progress import ProgressBar
+from engine.listeners.summary import ModelSummary, summarize
+from engine.listeners.timer import Timer, parse_duration
+
+__all__ = [
+    "EarlyStopping",
+    "EarlyStoppingReason",
+    "LearningRateMonitor",
+    "ModelSummary",
+    "ProgressBar",
+    "Timer",
+    "parse_duration",
+    "summarize",
+]

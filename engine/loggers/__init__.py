@@ -1,0 +1,22 @@
+"""Loggers: where the Trainer sends host-side metrics and hyperparameters.
+
+The Trainer calls ``log_metrics(metrics, step)`` on each of its loggers (any number, in order),
+``log_hyperparams(params)`` once per run and ``finalize(status)`` at the end.
+:class:`TensorBoardLogger` writes TensorBoard event files with tensorboardX; :class:`CSVLogger`
+writes ``metrics.csv`` and ``hparams.yaml``. Both use Lightning's run directories,
+``save_dir/name/version_N``. Subclass :class:`Logger` for your own.
+
+Example:
+    >>> import tempfile
+    >>> from engine.loggers import CSVLogger, TensorBoardLogger
+    >>> root = tempfile.mkdtemp()
+    >>> loggers = [TensorBoardLogger(root), CSVLogger(root)]
+    >>> [lg.log_dir == loggers[0].log_dir for lg in loggers]  # one run directory
+    [True, True]
+"""
+
+from engine.loggers.base import Logger
+from engine.loggers.csv import CSVLogger
+from engine.loggers.tensorboard import TensorBoardLogger
+
+__all__ = ["CSVLogger", "Logger", "TensorBoardLogger"]

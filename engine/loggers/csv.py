@@ -1,0 +1,143 @@
+"""``CSVLogger``: metrics to ``metrics.csv`` and hyperparameters to ``hparams.yaml``.
+
+Lightning's ``CSVLogger`` layout: one row per :meth:`CSVLogger.log_metrics` call, a ``step``
+column plus the union of every metric name logged so far (empty cells where a row lacks one).
+Rows are buffered and written every ``flush_logs_every_n_steps`` steps and at :meth:`save` /
+:meth:`finalize`; when a new metric name appears the file is rewritten with the wider header.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from engine.loggers.base import Logger, _as_params, _to_float, _write_hparams_yaml
+
+__all__ = ["CSVLogger"]
+
+
+class CSVLogger(Logger):
+    """Log metrics to ``<log_dir>/metrics.csv`` and hyperparameters to ``<log_dir>/hparams.yaml``.
+
+    The run directory is ``save_dir/name/version_N`` (see :class:`~engine.loggers.Logger`); it is
+    created at the first write. As in Lightning, an existing ``metrics.csv`` in it is replaced
+    (with a warning) when this logger first writes.
+
+    Args:
+        save_dir: the directory that holds the experiments.
+        name: the experiment's directory under ``save_dir``; ``None`` or ``""`` for none.
+        version: ``None`` (next free ``version_N``), an int ``N`` or a directory name.
+        flush_logs_every_n_steps: write buffered rows when ``(step + 1)`` is a multiple of this.
+
+    Raises:
+        ValueError: if ``flush_logs_every_n_steps`` is not a positive int.
+
+    Example:
+        >>> import csv, os, tempfile
+        >>> from engine.loggers import CSVLogger
+        >>> lg = CSVLogger(tempfile.mkdtemp(), name="exp")
+        >>> lg.log_metrics({"train/loss": 0.5}, step=0)
+        >>> lg.log_metrics({"train/loss": 0.25, "val/acc": 0.9}, step=1)
+        >>> lg.finalize("success")
+        >>> with open(os.path.join(lg.log_dir, "metrics.csv")) as f:
+        ...     print(f.read(), end="")
+        step,train/loss,val/acc
+        0,0.5,
+        1,0.25,0.9
+    """
+
+    METRICS_FILE = "metrics.csv"
+    HPARAMS_FILE = "hparams.yaml"
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        name: str | None = "lightning_logs",
+        version: int | str | None = None,
+        flush_logs_every_n_steps: int = 100,
+    ) -> None:
+        super().__init__(save_dir, name, version)
+        n = flush_logs_every_n_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"flush_logs_every_n_steps must be a positive int (got {n!r})")
+        self.flush_logs_every_n_steps = n
+        self.hparams: dict[str, Any] = {}
+        self._rows: list[dict[str, Any]] = []  # buffered, not yet written
+        self._columns: list[str] = []  # metric columns already in the file, sorted
+        self._opened = False  # whether this logger has written its metrics file yet
+        self._n_rows = 0  # rows logged so far
+
+    @property
+    def metrics_file(self) -> str:
+        """Path of ``metrics.csv``."""
+        return os.path.join(self.log_dir, self.METRICS_FILE)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Buffer one row: ``step`` and the ``metrics`` (numbers or one-element tensors).
+
+        Args:
+            metrics: metric name -> value.
+            step: the row's step; ``None`` numbers rows from 0 in the order logged.
+        """
+        if step is None:
+            step = self._n_rows
+        self._n_rows += 1
+        row: dict[str, Any] = {k: _to_float(k, v) for k, v in metrics.items()}
+        if "step" in row:
+            raise ValueError(
+                "'step' is the CSV logger's step column; rename the metric called 'step'"
+            )
+        row["step"] = int(step)
+        self._rows.append(row)
+        if (step + 1) % self.flush_logs_every_n_steps == 0:
+            self.save()
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Merge ``params`` into the recorded hyperparameters and rewrite ``hparams.yaml``."""
+        self.hparams.update(_as_params(params))
+        os.makedirs(self.log_dir, exist_ok=True)
+        _write_hparams_yaml(os.path.join(self.log_dir, self.HPARAMS_FILE), self.hparams)
+
+    def save(self) -> None:
+        """Write the buffered rows, rewriting the file first if they bring new columns."""
+        if not self._rows:
+            return
+        path = self.metrics_file
+        if not self._opened:
+            os.makedirs(self.log_dir, exist_ok=True)
+            if os.path.isfile(path):
+                warnings.warn(
+                    f"CSVLogger: {path} exists and is being replaced by this run's metrics; "
+                    "pass a new version= (or version=None) to keep the old file",
+                    stacklevel=2,
+                )
+                os.remove(path)
+            self._opened = True
+        new = sorted({k for row in self._rows for k in row} - {"step", *self._columns})
+        exists = os.path.isfile(path)
+        if new:
+            self._columns = sorted([*self._columns, *new])
+        header = ["step", *self._columns]
+        if new and exists:
+            # a wider header: rewrite what is on disk under it (missing cells stay empty)
+            with open(path, newline="", encoding="utf-8") as f:
+                old = list(csv.DictReader(f))
+            self._write(path, header, old, mode="w")
+            exists = True
+        self._write(path, header, self._rows, mode="a" if exists else "w")
+        self._rows = []
+
+    @staticmethod
+    def _write(path: str, header: list[str], rows: list[dict[str, Any]], *, mode: str) -> None:
+        with open(path, mode, newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=header)
+            if mode == "w":
+                writer.writeheader()
+            writer.writerows(rows)
+
+    def finalize(self, status: str) -> None:
+        """Write what is buffered; the run's status is not recorded in the CSV."""
+        self.save()

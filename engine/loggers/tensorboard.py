@@ -1,0 +1,152 @@
+"""``TensorBoardLogger``: scalars and hyperparameters as TensorBoard event files (tensorboardX).
+
+Hyperparameters are written for TensorBoard's HParams dashboard: a session-start record with the
+(flattened) values when they are logged, and a session-end record with the run's status at
+:meth:`TensorBoardLogger.finalize`. No experiment record is written unless metrics are named, so
+TensorBoard lists every scalar of the run as a metric of the session. They are also saved as
+``hparams.yaml`` next to the event file, as Lightning does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from engine.loggers.base import Logger, _as_params, _to_float, _write_hparams_yaml, flatten_params
+
+__all__ = ["TensorBoardLogger"]
+
+# TensorBoard's HParams plugin reads only these value types; others are shown as strings.
+_HPARAM_TYPES = (bool, int, float, str)
+_STATUS = {"success": "STATUS_SUCCESS", "failed": "STATUS_FAILURE"}
+
+
+class TensorBoardLogger(Logger):
+    """Log scalars and hyperparameters to TensorBoard event files in ``log_dir``.
+
+    The ``tensorboardX.SummaryWriter`` (:attr:`experiment`) is created at the first write, so
+    building the logger touches no files. View with ``tensorboard --logdir <save_dir>``.
+
+    Args:
+        save_dir: the directory that holds the experiments.
+        name: the experiment's directory under ``save_dir``; ``None`` or ``""`` for none.
+        version: ``None`` (next free ``version_N``), an int ``N`` or a directory name.
+        **writer_kwargs: passed to ``tensorboardX.SummaryWriter`` (``flush_secs``,
+            ``max_queue``, ...).
+
+    Example:
+        >>> import tempfile
+        >>> from engine.loggers import TensorBoardLogger
+        >>> lg = TensorBoardLogger(tempfile.mkdtemp(), name="exp")
+        >>> lg.log_hyperparams({"lr": 0.1, "model": {"width": 64}})
+        >>> lg.log_metrics({"train/loss": 0.5}, step=10)
+        >>> lg.finalize("success")
+        >>> lg.log_dir.endswith("exp/version_0")
+        True
+    """
+
+    HPARAMS_FILE = "hparams.yaml"
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        name: str | None = "lightning_logs",
+        version: int | str | None = None,
+        **writer_kwargs: Any,
+    ) -> None:
+        super().__init__(save_dir, name, version)
+        self._writer_kwargs = writer_kwargs
+        self._writer: Any = None
+        self._writers_opened = 0
+        self.hparams: dict[str, Any] = {}
+
+    @property
+    def experiment(self) -> Any:
+        """The ``tensorboardX.SummaryWriter``, created on first use."""
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            kwargs = dict(self._writer_kwargs)
+            if self._writers_opened:
+                # event files are named by the second they were opened: a writer reopened after
+                # finalize() within that second would overwrite the first one's file
+                kwargs["filename_suffix"] = (
+                    f"{kwargs.get('filename_suffix', '')}.{self._writers_opened}"
+                )
+            self._writer = SummaryWriter(logdir=self.log_dir, **kwargs)
+            self._writers_opened += 1
+        return self._writer
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Add each metric as a scalar at ``step`` (numbers or one-element tensors).
+
+        Args:
+            metrics: metric name (the TensorBoard tag) -> value.
+            step: the global step; ``None`` lets TensorBoard use the wall time only.
+        """
+        writer = self.experiment
+        for k, v in metrics.items():
+            writer.add_scalar(k, _to_float(k, v), step)
+
+    def log_hyperparams(
+        self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None
+    ) -> None:
+        """Record hyperparameters for TensorBoard's HParams dashboard and in ``hparams.yaml``.
+
+        Nested mappings are flattened with ``/`` (``{"opt": {"lr": 0.1}}`` -> ``opt/lr``); values
+        other than bool, int, float and str are shown as their ``str()``.
+
+        Args:
+            params: the hyperparameters (merged with those logged before).
+            metrics: optional initial metric values; naming metrics makes only these columns
+                appear in the dashboard (otherwise every scalar of the run does).
+        """
+        self.hparams.update(_as_params(params))
+        from tensorboardX.summary import hparams as hparams_summary
+
+        flat = {
+            k: v if isinstance(v, _HPARAM_TYPES) or v is None else str(v)
+            for k, v in flatten_params(self.hparams).items()
+        }
+        metric_values = {k: _to_float(k, v) for k, v in (metrics or {}).items()}
+        experiment, session_start, _ = hparams_summary(flat, metric_values)
+        writer = self.experiment
+        file_writer = writer._get_file_writer()  # tensorboardX has no public raw-summary API
+        if metric_values:
+            file_writer.add_summary(experiment)
+        file_writer.add_summary(session_start)
+        if metric_values:
+            self.log_metrics(metric_values, 0)
+        _write_hparams_yaml(os.path.join(self.log_dir, self.HPARAMS_FILE), self.hparams)
+
+    def save(self) -> None:
+        """Flush the event file (events still queued for tensorboardX's writer thread reach
+        the file within ``flush_secs``; :meth:`finalize` writes everything)."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def finalize(self, status: str) -> None:
+        """Record the session's end status (for the HParams dashboard), flush and close."""
+        if self._writer is None:
+            return
+        if self.hparams:
+            self._writer._get_file_writer().add_summary(_session_end(status))
+        self._writer.flush()
+        self._writer.close()
+        self._writer = None
+
+
+def _session_end(status: str) -> Any:
+    from tensorboardX.proto.api_pb2 import Status
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData, SessionEndInfo
+    from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+
+    info = SessionEndInfo(status=Status.Value(_STATUS.get(status, "STATUS_UNKNOWN")))
+    content = HParamsPluginData(session_end_info=info, version=0)
+    meta = SummaryMetadata(
+        plugin_data=SummaryMetadata.PluginData(
+            plugin_name="hparams", content=content.SerializeToString()
+        )
+    )
+    return Summary(value=[Summary.Value(tag="_hparams_/session_end_info", metadata=meta)])

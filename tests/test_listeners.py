@@ -1,0 +1,873 @@
+"""Listeners against a fake driver that emits Lightning 2.x's fit events through the Emitter.
+
+Golden cases come from Lightning's own tests (tests_pytorch/callbacks/test_early_stopping.py,
+test_timer.py) and from torch.optim.lr_scheduler; the fake driver follows the event order of
+Lightning's fit loop, so "stopped after epoch k" means what it means there.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import sys
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import engine as eg
+from engine import optim
+from engine.events import Emitter, Event, EventRecord, Stop
+from engine.listeners import (
+    EarlyStopping,
+    EarlyStoppingReason,
+    LearningRateMonitor,
+    ModelSummary,
+    ProgressBar,
+    Timer,
+    parse_duration,
+    summarize,
+)
+from engine.listeners import timer as timer_module
+from engine.listeners.summary import _readable
+
+# ---------------------------------------------------------------------- a fake fit loop
+
+
+class FakeFit:
+    """The Trainer's read-only surface, and a fit loop emitting events in Lightning's order.
+
+    ``val_metrics(epoch)`` is merged into the callback metrics at the end of each validation
+    (Lightning's ``on_validation_epoch_end`` logging), ``train_epoch_metrics(epoch)`` before
+    ``on_train_epoch_end``. Stop requests are honoured after ``min_epochs``, mid-epoch too.
+    """
+
+    def __init__(
+        self,
+        listeners: Sequence[Any],
+        *,
+        max_epochs: int = 10,
+        min_epochs: int = 0,
+        num_training_batches: float = 2,
+        num_val_batches: Sequence[float] = (1,),
+        num_sanity_val_steps: int = 0,
+        val_check_interval: float | int = 1.0,
+        check_val_every_n_epoch: int = 1,
+        expose_schedule: bool = True,
+        val_metrics: Callable[[int], dict[str, float]] | None = None,
+        train_epoch_metrics: Callable[[int], dict[str, float]] | None = None,
+        loggers: Sequence[Any] = (),
+        task: Any = None,
+        on_batch: Callable[[], None] | None = None,
+    ) -> None:
+        self.emitter = Emitter(listeners)
+        self.state = eg.TrainState.create(nn.Linear(3, 2), optim.sgd(0.1))
+        self.max_epochs, self.min_epochs, self.max_steps = max_epochs, min_epochs, -1
+        self.num_training_batches = num_training_batches
+        self.num_val_batches = list(num_val_batches)
+        self.num_sanity_val_steps = num_sanity_val_steps
+        if expose_schedule:
+            self.val_check_interval = val_check_interval
+            self.check_val_every_n_epoch = check_val_every_n_epoch
+        self._val_check_interval = val_check_interval
+        self._every = check_val_every_n_epoch
+        self.val_metrics, self.train_epoch_metrics = val_metrics, train_epoch_metrics
+        self.loggers, self.task, self.on_batch = list(loggers), task, on_batch
+        self.callback_metrics: dict[str, float] = {}
+        self.logged_metrics: dict[str, float] = {}
+        self._pbm: dict[str, float] = {}
+        self.log_dir, self.default_root_dir = None, "."
+        self.sanity_checking = False
+        self.should_stop = False
+        self.stops: list[Stop] = []
+        self.events: list[str] = []
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        return self._pbm
+
+    @property
+    def global_step(self) -> int:
+        return self.state.step
+
+    @property
+    def current_epoch(self) -> int:
+        return self.state.epoch
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        step = self.global_step if step is None else step
+        self.logged.append((step, dict(metrics)))
+        for lg in self.loggers:
+            lg.log_metrics(metrics, step)
+        self.logged_metrics.update(metrics)
+        self.callback_metrics.update(metrics)
+
+    def emit(self, event: Event, stage: str = "fit", **fields: Any) -> None:
+        self.events.append(event.value)
+        stage = "sanity_check" if self.sanity_checking else stage
+
+        def record() -> EventRecord:
+            return EventRecord(
+                event, stage, self.state, dict(self.callback_metrics), self, **fields
+            )
+
+        for request in self.emitter.emit(event, record):
+            if isinstance(request, Stop):
+                self.should_stop = True
+                self.stops.append(request)
+
+    def _can_stop(self) -> bool:
+        return self.should_stop and self.current_epoch >= self.min_epochs
+
+    def validate(self, limits: Sequence[float], stage: str = "fit") -> None:
+        self.emit(Event.ON_VALIDATION_START, stage)
+        self.emit(Event.ON_VALIDATION_EPOCH_START, stage)
+        for dl, n in enumerate(limits):
+            for b in range(int(n)):
+                self.emit(Event.ON_VALIDATION_BATCH_START, stage, batch_idx=b, dataloader_idx=dl)
+                self.emit(Event.ON_VALIDATION_BATCH_END, stage, batch_idx=b, dataloader_idx=dl)
+        if not self.sanity_checking and self.val_metrics is not None:
+            metrics = self.val_metrics(self.current_epoch)
+            self.callback_metrics.update(metrics)
+            self._pbm.update(metrics)
+        self.emit(Event.ON_VALIDATION_EPOCH_END, stage)
+        self.emit(Event.ON_VALIDATION_END, stage)
+
+    def fit(self) -> FakeFit:
+        self.emit(Event.SETUP)
+        self.emit(Event.ON_FIT_START)
+        has_val = sum(self.num_val_batches) > 0
+        if has_val and self.num_sanity_val_steps:
+            self.sanity_checking = True
+            self.emit(Event.ON_SANITY_CHECK_START)
+            self.validate([min(self.num_sanity_val_steps, n) for n in self.num_val_batches])
+            self.emit(Event.ON_SANITY_CHECK_END)
+            self.sanity_checking = False
+        self.emit(Event.ON_TRAIN_START)
+        if isinstance(self._val_check_interval, float):
+            val_every = max(1, int(self.num_training_batches * self._val_check_interval))
+        else:
+            val_every = self._val_check_interval
+        while not self._can_stop() and self.current_epoch < self.max_epochs:
+            epoch = self.current_epoch
+            validates = has_val and (epoch + 1) % self._every == 0
+            self.emit(Event.ON_TRAIN_EPOCH_START)
+            for b in range(int(self.num_training_batches)):
+                self.state = self.state.replace(batch_idx=b)
+                self.emit(Event.ON_TRAIN_BATCH_START, batch_idx=b)
+                self.emit(Event.ON_BEFORE_OPTIMIZER_STEP, batch_idx=b)
+                self.state = self.state.replace(step=self.state.step + 1, batch_idx=b + 1)
+                if self.on_batch is not None:
+                    self.on_batch()
+                self._pbm["train/loss"] = 1.0 / self.state.step
+                self.emit(Event.ON_TRAIN_BATCH_END, batch_idx=b)
+                if validates and (b + 1) % val_every == 0:
+                    self.validate(self.num_val_batches)
+                if self._can_stop():
+                    break
+            if self.train_epoch_metrics is not None:
+                self.callback_metrics.update(self.train_epoch_metrics(epoch))
+            self.emit(Event.ON_TRAIN_EPOCH_END)
+            self.state = self.state.replace(epoch=epoch + 1, batch_idx=0)
+        self.emit(Event.ON_TRAIN_END)
+        self.emit(Event.ON_FIT_END)
+        self.emit(Event.TEARDOWN)
+        return self
+
+
+def _series(values: Sequence[float], key: str) -> Callable[[int], dict[str, float]]:
+    return lambda epoch: {key: float(values[epoch])}
+
+
+# ---------------------------------------------------------------------- EarlyStopping
+
+
+@pytest.mark.parametrize(
+    ("losses", "patience", "expected_stop_epoch"),
+    [([6, 5, 5, 5, 5, 5], 3, 4), ([6, 5, 4, 4, 3, 3], 1, 3), ([6, 5, 6, 5, 5, 5], 3, 4)],
+)
+def test_early_stopping_patience_matches_lightning(losses, patience, expected_stop_epoch):
+    es = EarlyStopping("val/loss", patience=patience)
+    fit = FakeFit([es], val_metrics=_series(losses, "val/loss")).fit()
+    assert fit.current_epoch - 1 == expected_stop_epoch
+    assert es.stopped_epoch == expected_stop_epoch
+    assert es.stopping_reason is EarlyStoppingReason.PATIENCE_EXHAUSTED
+    assert len(fit.stops) == 1 and "has not improved" in fit.stops[0].reason
+
+
+@pytest.mark.parametrize("with_validation", [True, False])
+@pytest.mark.parametrize(
+    ("losses", "patience", "expected_stop_epoch"),
+    [([6, 5, 5, 5, 5, 5], 3, 4), ([6, 5, 4, 4, 3, 3], 1, 3), ([6, 5, 6, 5, 5, 5], 3, 4)],
+)
+def test_early_stopping_on_train_epoch_end_matches_lightning(
+    losses, patience, expected_stop_epoch, with_validation
+):
+    es = EarlyStopping("train/loss_epoch", patience=patience, check_on_train_epoch_end=True)
+    fit = FakeFit(
+        [es],
+        num_val_batches=[1] if with_validation else [],
+        train_epoch_metrics=_series(losses, "train/loss_epoch"),
+    ).fit()
+    assert fit.current_epoch - 1 == expected_stop_epoch
+
+
+@pytest.mark.parametrize(
+    ("stopping_threshold", "divergence_threshold", "losses", "expected_epoch", "reason"),
+    [
+        (None, None, [8, 4, 2, 3, 4, 5, 8, 10], 5, EarlyStoppingReason.PATIENCE_EXHAUSTED),
+        (2.9, None, [9, 8, 7, 6, 5, 6, 4, 3, 2, 1], 8, EarlyStoppingReason.STOPPING_THRESHOLD),
+        (None, 15.9, [9, 4, 2, 16, 32, 64], 3, EarlyStoppingReason.DIVERGENCE_THRESHOLD),
+    ],
+)
+def test_early_stopping_thresholds_match_lightning(
+    stopping_threshold, divergence_threshold, losses, expected_epoch, reason
+):
+    es = EarlyStopping(
+        "abc", stopping_threshold=stopping_threshold, divergence_threshold=divergence_threshold
+    )
+    fit = FakeFit([es], max_epochs=20, val_metrics=_series(losses, "abc")).fit()
+    assert fit.current_epoch - 1 == expected_epoch
+    assert es.stopping_reason is reason
+    assert es.stopping_reason_message == fit.stops[0].reason
+
+
+@pytest.mark.parametrize("stop_value", [math.inf, math.nan])
+def test_early_stopping_stops_on_a_non_finite_metric(stop_value):
+    es = EarlyStopping("val/loss", check_finite=True)
+    fit = FakeFit([es], val_metrics=_series([4, 3, stop_value, 2, 1], "val/loss")).fit()
+    assert fit.current_epoch - 1 == 2 and es.stopped_epoch == 2
+    assert es.stopping_reason is EarlyStoppingReason.NON_FINITE_METRIC
+    assert "is not finite" in fit.stops[0].reason
+
+
+def test_early_stopping_nan_without_check_finite_counts_as_no_improvement():
+    es = EarlyStopping("val/loss", check_finite=False, patience=2)
+    fit = FakeFit([es], val_metrics=_series([1, math.nan, math.nan, 0], "val/loss")).fit()
+    assert fit.current_epoch - 1 == 2 and es.best_score == 1.0
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_any_of_several_early_stoppings_stops_the_fit(order):
+    # Lightning's test_multiple_early_stopping_callbacks: "cba" is constant 0 -> stops at 3
+    listeners = [EarlyStopping("abc"), EarlyStopping("cba", patience=3)]
+    losses = [8, 4, 2, 3, 4, 5, 8, 10]
+    fit = FakeFit(
+        listeners[order:] + listeners[:order],
+        max_epochs=20,
+        val_metrics=lambda e: {"abc": float(losses[e]), "cba": 0.0},
+    ).fit()
+    assert fit.current_epoch - 1 == 3
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "min_delta", "expected_stop_epoch"),
+    [
+        # a change of exactly min_delta is no improvement (Lightning's documented rule)
+        ("min", [1.0, 0.75, 0.8, 0.5], 0.25, 2),
+        ("min", [1.0, 0.5, 0.0, -0.5, -1.0, -1.5], 0.25, None),
+        ("max", [0.0, 0.25, 0.2, 1.0], 0.25, 2),
+        ("max", [0.0, 0.5, 1.0, 1.5], 0.25, None),
+        ("max", [0.0, 0.25, 0.5, 0.75], 0.0, None),
+    ],
+)
+def test_min_delta_is_an_absolute_margin_in_the_monitored_direction(
+    mode, values, min_delta, expected_stop_epoch
+):
+    es = EarlyStopping("m", mode=mode, min_delta=min_delta, patience=2)
+    fit = FakeFit([es], max_epochs=len(values), val_metrics=_series(values, "m")).fit()
+    if expected_stop_epoch is None:
+        assert not fit.stops and es.best_score == values[-1]
+    else:
+        assert fit.current_epoch - 1 == expected_stop_epoch
+        assert es.best_score == values[0]
+
+
+def test_early_stopping_waits_for_min_epochs_like_the_trainer():
+    es = EarlyStopping("val/loss", patience=1)
+    fit = FakeFit([es], min_epochs=5, val_metrics=lambda e: {"val/loss": 1.0}).fit()
+    assert fit.current_epoch == 5  # stop requested at epoch 1, honoured after min_epochs
+    assert es.stopped_epoch == 4 and es.wait_count == 4
+
+
+def test_missing_metric_with_strict_raises_naming_the_monitor_and_the_keys():
+    es = EarlyStopping("val/los")
+    with pytest.raises(RuntimeError, match=r"val/los.*\['val/acc', 'val/loss'\]"):
+        FakeFit([es], val_metrics=lambda e: {"val/loss": 1.0, "val/acc": 0.5}).fit()
+
+
+def test_missing_metric_without_strict_skips_the_check_and_warns_when_verbose():
+    es = EarlyStopping("val/los", strict=False, patience=1)
+    fit = FakeFit([es], max_epochs=3, val_metrics=lambda e: {"val/loss": 1.0}).fit()
+    assert not fit.stops and es.wait_count == 0
+    with pytest.warns(RuntimeWarning, match="val/los"):
+        FakeFit([EarlyStopping("val/los", strict=False, verbose=True)], max_epochs=1).fit()
+
+
+def test_no_check_during_the_sanity_check_or_outside_fit():
+    es = EarlyStopping("val/loss", check_on_train_epoch_end=False)
+    es.evaluate = mock.Mock(return_value=(False, None))  # type: ignore[method-assign]
+    fit = FakeFit([es], max_epochs=2, num_sanity_val_steps=2, val_metrics=lambda e: {"val/loss": 1})
+    fit.callback_metrics["val/loss"] = 3.0  # present during the sanity check too
+    fit.fit()
+    assert es.evaluate.call_count == 2  # the two epochs, not the sanity check
+    fit.validate([1], stage="validate")  # trainer.validate()
+    assert es.evaluate.call_count == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected_checks_at"),
+    [
+        ({}, "on_train_epoch_end"),  # validation once per epoch, at its end
+        ({"num_val_batches": []}, "on_train_epoch_end"),  # no validation
+        ({"check_val_every_n_epoch": 2}, "on_validation_end"),
+        ({"val_check_interval": 0.5, "num_training_batches": 4}, "on_validation_end"),
+        ({"val_check_interval": 1, "num_training_batches": 4}, "on_validation_end"),
+        ({"expose_schedule": False}, "on_validation_end"),  # schedule unknown: after validation
+        ({"expose_schedule": False, "num_val_batches": [0]}, "on_train_epoch_end"),
+    ],
+)
+def test_default_check_place_follows_lightnings_rule(kwargs, expected_checks_at):
+    es = EarlyStopping("m", patience=100)
+    places: list[str] = []
+    real = es._run_check
+
+    def spy(rec):
+        places.append(rec.event.value)
+        return real(rec)
+
+    es._run_check = spy  # type: ignore[method-assign]
+    FakeFit(
+        [es],
+        max_epochs=2,
+        val_metrics=lambda e: {"m": 1.0},
+        train_epoch_metrics=lambda e: {"m": 1.0},
+        **kwargs,
+    ).fit()
+    assert places and set(places) == {expected_checks_at}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        # Lightning's test_check_on_train_epoch_end_smart_handling: two checks, the second stops
+        ({"val_check_interval": 0.3, "num_training_batches": 10}, ("global_step", 6)),
+        ({"check_val_every_n_epoch": 2, "max_epochs": 5}, ("current_epoch", 4)),
+    ],
+)
+def test_smart_check_placement_cases_from_lightning(kwargs, expected):
+    es = EarlyStopping("foo")
+    es.evaluate = mock.Mock(side_effect=[(False, "A"), (True, "B")])  # type: ignore[method-assign]
+    fit = FakeFit([es], val_metrics=lambda e: {"foo": 1.0}, **{"max_epochs": 10, **kwargs}).fit()
+    assert es.evaluate.call_count == 2
+    assert getattr(fit, expected[0]) == expected[1]
+
+
+def test_early_stopping_state_round_trips_and_accepts_lightnings_format():
+    es = EarlyStopping("val/loss", patience=2)
+    FakeFit([es], val_metrics=_series([3, 2, 2, 2], "val/loss")).fit()
+    restored = EarlyStopping("val/loss", patience=7)
+    restored.load_state_dict(es.state_dict())
+    assert restored.state_dict() == es.state_dict()
+    assert (restored.wait_count, restored.stopped_epoch, restored.best_score) == (2, 3, 2.0)
+    assert restored.patience == 2 and restored.stopping_reason.name == "PATIENCE_EXHAUSTED"
+    # a Lightning checkpoint's entry: tensor best_score, no stopping_reason
+    old = EarlyStopping("val/loss")
+    old.load_state_dict(
+        {"wait_count": 2, "stopped_epoch": 5, "best_score": torch.tensor(0.5), "patience": 3}
+    )
+    assert old.best_score == 0.5 and old.stopping_reason is EarlyStoppingReason.NOT_STOPPED
+    assert old.stopping_reason_message is None
+
+
+def test_resumed_early_stopping_continues_its_wait_count():
+    es = EarlyStopping("val/loss", patience=3)
+    FakeFit([es], max_epochs=3, val_metrics=_series([1, 2, 2], "val/loss")).fit()
+    assert es.wait_count == 2
+    resumed = EarlyStopping("val/loss", patience=3)
+    resumed.load_state_dict(es.state_dict())
+    fit = FakeFit([resumed], val_metrics=lambda e: {"val/loss": 2.0}).fit()
+    assert fit.current_epoch == 1  # one more non-improving check exhausts patience
+
+
+def test_early_stopping_arguments_are_checked():
+    with pytest.raises(ValueError, match="'unknown'"):
+        EarlyStopping("m", mode="unknown")
+    with pytest.raises(ValueError, match="-1"):
+        EarlyStopping("m", patience=-1)
+    assert (
+        EarlyStopping("val_loss").state_key == "EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}"
+    )
+
+
+def test_early_stopping_pickles():
+    es = EarlyStopping("foo")
+    assert vars(pickle.loads(pickle.dumps(es))) == vars(es)
+
+
+def test_verbose_early_stopping_prints_improvements_and_the_reason(capsys):
+    es = EarlyStopping("val/loss", patience=1, verbose=True)
+    FakeFit([es], val_metrics=_series([2.0, 1.0, 1.5], "val/loss")).fit()
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "val/loss improved; new best: 2.000",
+        "val/loss improved by 1.000 >= min_delta = 0.0; new best: 1.000",
+        "val/loss has not improved for 1 checks (best: 1.000); stopping.",
+    ]
+
+
+# ---------------------------------------------------------------------- LearningRateMonitor
+
+
+class _Logger:
+    def __init__(self) -> None:
+        self.version = 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+
+class _Task:
+    def __init__(self, lr: Any, momentum: Any = None) -> None:
+        self.lr = lr
+        if momentum is not None:
+            self.momentum = momentum
+
+
+def test_lr_monitor_logs_what_torch_scheduler_gives_each_step():
+    # reference: the lr torch.optim holds before each optimizer.step() under StepLR
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    expected = []
+    for _ in range(8):
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    monitor = LearningRateMonitor(logging_interval="step")
+    fit = FakeFit(
+        [monitor],
+        max_epochs=2,
+        num_training_batches=4,
+        loggers=[_Logger()],
+        task=_Task(optim.step_lr(0.1, 3, 0.5)),
+    ).fit()
+    assert [step for step, _ in fit.logged] == list(range(8))
+    assert [m["lr"] for _, m in fit.logged] == pytest.approx(expected, rel=1e-12)
+    assert monitor.lrs["lr"] == [m["lr"] for _, m in fit.logged]
+
+
+def test_lr_monitor_epoch_interval_logs_at_each_epoch_start():
+    monitor = LearningRateMonitor(logging_interval="epoch")
+    fit = FakeFit(
+        [monitor],
+        max_epochs=3,
+        num_training_batches=2,
+        loggers=[_Logger()],
+        task=_Task(lambda step: 1.0 / (step + 1)),
+    ).fit()
+    assert fit.logged == [(0, {"lr": 1.0}), (2, {"lr": 1 / 3}), (4, {"lr": 1 / 5})]
+
+
+def test_lr_monitor_follows_log_every_n_steps_and_logs_once_per_optimizer_step():
+    monitor = LearningRateMonitor()
+    fit = FakeFit(
+        [monitor], max_epochs=1, num_training_batches=6, loggers=[_Logger()], task=_Task(0.1)
+    )
+    fit.log_every_n_steps = 2
+    fit.fit()
+    assert [s for s, _ in fit.logged] == [1, 3, 5]  # Lightning: (step + 1) % n == 0
+    # micro-batches of one accumulation window share a step: logged once
+    fit.logged.clear()
+    fit.log_every_n_steps = 1
+    state = fit.state.replace(step=10)
+    for micro in (0, 1, 2):
+        rec = EventRecord(
+            Event.ON_TRAIN_BATCH_START, "fit", state.replace(micro_step=micro), {}, fit
+        )
+        monitor.on_train_batch_start(rec)
+    assert fit.logged == [(10, {"lr": 0.1})]
+
+
+def test_lr_monitor_logs_momentum_when_the_task_has_one():
+    monitor = LearningRateMonitor(log_momentum=True)
+    fit = FakeFit([monitor], max_epochs=1, loggers=[_Logger()], task=_Task(0.1, momentum=0.9)).fit()
+    assert fit.logged[0] == (0, {"lr": 0.1, "momentum": 0.9})
+    with pytest.warns(RuntimeWarning, match="momentum"):
+        FakeFit(
+            [LearningRateMonitor(log_momentum=True)], loggers=[_Logger()], task=_Task(0.1)
+        ).fit()
+
+
+def test_lr_monitor_needs_a_logger_and_a_learning_rate():
+    with pytest.raises(RuntimeError, match=r"no logger|has none"):
+        FakeFit([LearningRateMonitor()], task=_Task(0.1)).fit()
+    with pytest.raises(RuntimeError, match=r"Task\(lr=\.\.\.\)"):
+        FakeFit([LearningRateMonitor()], loggers=[_Logger()], task=_Task(None)).fit()
+    with pytest.raises(ValueError, match="'batch'"):
+        LearningRateMonitor(logging_interval="batch")
+
+
+# ---------------------------------------------------------------------- Timer
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def tick(self, seconds: float = 1.0) -> None:
+        self.t += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    c = _Clock()
+    monkeypatch.setattr(timer_module, "_monotonic", c)
+    return c
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [  # Lightning's test_timer_parse_duration cases
+        (None, None),
+        ("00:00:00:22", timedelta(seconds=22)),
+        ("12:34:56:65", timedelta(days=12, hours=34, minutes=56, seconds=65)),
+        (timedelta(weeks=52, milliseconds=1), timedelta(weeks=52, milliseconds=1)),
+        ({"weeks": 52, "days": 1}, timedelta(weeks=52, days=1)),
+        (" 100:00:00:01 ", timedelta(days=100, seconds=1)),
+    ],
+)
+def test_parse_duration(value, expected):
+    assert parse_duration(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ("00:00:22", ValueError, "'00:00:22'.*DD:HH:MM:SS"),
+        ("1:2:3:4", ValueError, "'1:2:3:4'"),
+        ({"hour": 1}, ValueError, "'hour'"),
+        (12, TypeError, "int 12"),
+        (timedelta(seconds=-1), ValueError, "negative"),
+    ],
+)
+def test_parse_duration_errors_name_the_value(value, error, match):
+    with pytest.raises(error, match=match):
+        parse_duration(value)
+    with pytest.raises(error, match=match):
+        Timer(duration=value)
+
+
+def test_timer_interval_must_be_step_or_epoch():
+    with pytest.raises(ValueError, match="'batch'"):
+        Timer(interval="batch")
+
+
+def test_timer_stops_once_training_time_reaches_the_duration(clock):
+    timer = Timer(duration={"seconds": 5}, verbose=False)
+    fit = FakeFit([timer], num_training_batches=4, on_batch=clock.tick).fit()
+    assert fit.global_step == 5 and fit.current_epoch == 2  # stopped in epoch 1, mid-epoch
+    assert timer.time_elapsed("train") == 5 and timer.time_remaining() == 0
+    assert fit.stops[0].reason == "time limit reached: 0:00:05 of training"
+
+
+def test_timer_epoch_interval_checks_only_at_epoch_end(clock):
+    timer = Timer(duration="00:00:00:05", interval="epoch", verbose=False)
+    fit = FakeFit([timer], num_training_batches=4, on_batch=clock.tick).fit()
+    assert fit.global_step == 8 and fit.current_epoch == 2
+
+
+def test_timer_measures_each_stage(clock):
+    timer = Timer()
+
+    def val_metrics(epoch: int) -> dict[str, float]:
+        clock.tick(0.5)  # validation takes half a second
+        return {}
+
+    fit = FakeFit(
+        [timer], max_epochs=2, num_sanity_val_steps=1, val_metrics=val_metrics, on_batch=clock.tick
+    )
+    fit.fit()
+    assert timer.time_elapsed("fit") == timer.time_elapsed("train") == 2 * 2 + 2 * 0.5
+    assert timer.time_elapsed("validate") == 0.5  # the latest validation loop
+    assert timer.time_elapsed("sanity_check") == 0.0
+    assert timer.end_time("train") - timer.start_time("train") == 5.0
+    assert timer.time_elapsed("test") == 0 and timer.start_time("test") is None
+    assert timer.time_remaining() is None
+    with pytest.raises(ValueError, match="'training_step'"):
+        timer.time_elapsed("training_step")
+
+
+def test_timer_resumes_counting_and_stops_at_once_when_the_budget_is_spent(clock):
+    first = Timer(duration={"seconds": 10}, verbose=False)
+    FakeFit([first], max_epochs=1, num_training_batches=4, on_batch=clock.tick).fit()
+    saved = first.state_dict()
+    assert saved["time_elapsed"]["train"] == 4.0 and set(saved["time_elapsed"]) == {
+        "train",
+        "sanity_check",
+        "validate",
+        "test",
+        "predict",
+    }
+    resumed = Timer(duration={"seconds": 10}, verbose=False)
+    resumed.load_state_dict(saved)
+    fit = FakeFit([resumed], max_epochs=10, num_training_batches=4, on_batch=clock.tick).fit()
+    assert fit.global_step == 6  # 4 s restored + 6 s more
+    spent = Timer(duration={"seconds": 4}, verbose=False)
+    spent.load_state_dict(saved)
+    fit = FakeFit([spent], max_epochs=10, on_batch=clock.tick).fit()
+    assert fit.global_step == 0 and fit.stops  # stopped at on_fit_start
+
+
+def test_timer_prints_when_the_limit_is_reached(clock, capsys):
+    FakeFit([Timer(duration={"seconds": 1})], on_batch=clock.tick).fit()
+    assert "Timer: time limit reached: 0:00:01 of training; stopping." in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- ProgressBar
+
+
+class _CountingTrainer(FakeFit):
+    """Records the batch index at every read of progress_bar_metrics."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.reads: list[int] = []
+        super().__init__(*args, **kwargs)
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        self.reads.append(self.state.batch_idx)
+        return self._pbm
+
+
+def _screen(out: io.StringIO) -> list[str]:
+    """The lines tqdm drew last, one per carriage return / newline."""
+    return [s.strip() for s in out.getvalue().replace("\n", "\r").split("\r") if s.strip()]
+
+
+def test_progress_bar_draws_epochs_validation_and_the_sanity_check():
+    out = io.StringIO()
+    fit = FakeFit(
+        [ProgressBar(file=out)],
+        max_epochs=2,
+        num_training_batches=4,
+        num_val_batches=[2],
+        num_sanity_val_steps=1,
+        val_metrics=lambda e: {"val/loss": 0.5},
+    ).fit()
+    lines = _screen(out)
+    assert any(s.startswith("Sanity Checking DataLoader 0: 100%") and "1/1" in s for s in lines)
+    assert any(s.startswith("Validation DataLoader 0: 100%") and "2/2" in s for s in lines)
+    epoch1 = [s for s in lines if s.startswith("Epoch 1: 100%") and "4/4" in s]
+    assert epoch1 and "it/s" in epoch1[-1]
+    assert "train/loss=0.125" in epoch1[-1] and "val/loss=0.5" in epoch1[-1]
+    assert fit.events[-1] == "teardown"
+
+
+def test_progress_bar_reads_metrics_only_on_refresh_steps():
+    fit = _CountingTrainer(
+        [ProgressBar(refresh_rate=2, file=io.StringIO())],
+        max_epochs=1,
+        num_training_batches=5,
+        num_val_batches=[],
+    )
+    fit.fit()
+    # batches 2 and 4 (refresh_rate), 5 (the last one), then the epoch end
+    assert fit.reads == [2, 4, 5, 5]
+
+
+def test_progress_bar_is_silent_and_free_when_output_is_not_a_terminal(capsys):
+    assert not sys.stdout.isatty()  # pytest captures stdout
+    fit = _CountingTrainer([ProgressBar()], max_epochs=2, num_sanity_val_steps=1)
+    fit.fit()
+    assert fit.reads == [] and capsys.readouterr().out == ""
+    out = io.StringIO()
+    fit = _CountingTrainer([ProgressBar(refresh_rate=0, file=out)], max_epochs=1)
+    fit.fit()
+    assert fit.reads == [] and out.getvalue() == ""
+
+
+def test_progress_bar_switches_between_validation_dataloaders():
+    out = io.StringIO()
+    FakeFit([ProgressBar(file=out)], max_epochs=1, num_val_batches=[2, 3]).fit()
+    lines = _screen(out)
+    assert any(s.startswith("Validation DataLoader 0: 100%") and "2/2" in s for s in lines)
+    assert any(s.startswith("Validation DataLoader 1: 100%") and "3/3" in s for s in lines)
+
+
+def test_progress_bar_without_a_known_length_counts_batches():
+    out = io.StringIO()
+    bar = ProgressBar(file=out)
+    fit = FakeFit([bar], max_epochs=1, num_training_batches=3, num_val_batches=[])
+    fit.num_training_batches = math.inf  # what the listener sees: an unsized loader
+    fit.emit(Event.ON_TRAIN_START)
+    fit.emit(Event.ON_TRAIN_EPOCH_START)
+    for b in range(3):
+        fit.emit(Event.ON_TRAIN_BATCH_END, batch_idx=b)
+    fit.emit(Event.ON_TRAIN_END)
+    assert any(s.startswith("Epoch 0:") and "3/?" in s for s in _screen(out))
+
+
+def test_progress_bar_test_and_predict_bars_and_the_logger_version():
+    out = io.StringIO()
+    bar = ProgressBar(file=out, leave=True)
+    fit = FakeFit([bar], loggers=[mock.Mock(version=7)], max_epochs=1, num_val_batches=[])
+    fit.num_test_batches, fit.num_predict_batches = [2], [3]
+    fit.fit()
+    fit.emit(Event.ON_TEST_START, "test")
+    for b in range(2):
+        fit.emit(Event.ON_TEST_BATCH_END, "test", batch_idx=b)
+    fit.emit(Event.ON_TEST_END, "test")
+    fit.emit(Event.ON_PREDICT_START, "predict")
+    for b in range(3):
+        fit.emit(Event.ON_PREDICT_BATCH_END, "predict", batch_idx=b)
+    fit.emit(Event.ON_PREDICT_END, "predict")
+    lines = _screen(out)
+    assert any(s.startswith("Epoch 0: 100%") and "v_num=7" in s for s in lines)
+    assert any(s.startswith("Testing DataLoader 0: 100%") and "2/2" in s for s in lines)
+    assert any(s.startswith("Predicting DataLoader 0: 100%") and "3/3" in s for s in lines)
+    assert bar.train_progress_bar is None and bar.val_progress_bar is None
+
+
+def test_progress_bar_closes_its_bars_on_exception():
+    bar = ProgressBar(file=io.StringIO())
+    fit = FakeFit([bar], num_val_batches=[2])
+    fit.emit(Event.ON_TRAIN_START)
+    fit.emit(Event.ON_TRAIN_EPOCH_START)
+    fit.emit(Event.ON_VALIDATION_START)
+    train, val = bar.train_progress_bar, bar.val_progress_bar
+    fit.emit(Event.ON_EXCEPTION, exception=RuntimeError("boom"))
+    assert bar.train_progress_bar is None and train.disable and val.disable  # closed
+    assert pickle.loads(pickle.dumps(bar)).refresh_rate == 1
+
+
+def test_progress_bar_rejects_a_bad_refresh_rate():
+    with pytest.raises(ValueError, match="-1"):
+        ProgressBar(refresh_rate=-1)
+
+
+# ---------------------------------------------------------------------- ModelSummary
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 8),
+        nn.BatchNorm1d(8),
+        nn.Sequential(nn.ReLU(), nn.Linear(8, 8)),
+        nn.Linear(8, 3),
+    )
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),  # Lightning's get_human_readable_count examples
+    [
+        (123, "123"),
+        (1234, "1.2 K"),
+        (2_000_000, "2.0 M"),
+        (3_000_000_000, "3.0 B"),
+        (400_000_000_000_000, "400 T"),
+        (5_000_000_000_000_000, "5,000 T"),
+        (0, "0"),
+    ],
+)
+def test_parameter_counts_are_abbreviated_like_lightning(n, text):
+    assert _readable(n) == text
+
+
+def test_summary_counts_trainable_frozen_and_buffer_bytes():
+    model = _net()
+    model[3].weight.requires_grad_(False)
+    state = eg.TrainState.create(model, optim.sgd(0.1))
+    text = summarize(state)
+    n_all = sum(p.numel() for p in model.parameters())
+    n_frozen = model[3].weight.numel()
+    nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert f"{n_all - n_frozen:<10}Trainable params" in text
+    assert f"{n_frozen:<10}Non-trainable params" in text
+    assert f"{n_all:<10}Total params" in text
+    assert f"{nbytes / 1e6:<10,.3f}Total size (MB)" in text
+    rows = [line.split(" | ") for line in text.splitlines()[2:6]]
+    assert [[c.strip() for c in r] for r in rows] == [
+        ["0", "0", "Linear", "40"],
+        ["1", "1", "BatchNorm1d", "16"],
+        ["2", "2", "Sequential", "72"],
+        ["3", "3", "Linear", "27"],
+    ]
+
+
+def test_summary_matches_lightnings_counts():
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.utilities.model_summary import summarize as pl_summarize
+
+    class Wrapped(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net()
+            self.net[0].bias.requires_grad_(False)
+
+    lit = Wrapped()
+    reference = pl_summarize(lit, max_depth=-1)
+    text = summarize(eg.TrainState.create(lit, optim.sgd(0.1)), max_depth=-1)
+    ours = {r.split(" | ")[1].strip(): r.split(" | ")[3].strip() for r in text.splitlines()[2:-5]}
+    assert ours == dict(
+        zip(reference.layer_names, map(_readable, reference.param_nums), strict=True)
+    )
+    assert f"{_readable(reference.trainable_parameters):<10}Trainable" in text
+    assert f"{_readable(reference.total_parameters):<10}Total params" in text
+
+
+@pytest.mark.parametrize(
+    ("max_depth", "names"),
+    [
+        (0, []),
+        (1, ["0", "1", "2", "3"]),
+        (2, ["0", "1", "2", "2.0", "2.1", "3"]),
+        (-1, ["0", "1", "2", "2.0", "2.1", "3"]),
+    ],
+)
+def test_summary_lists_layers_down_to_max_depth(max_depth, names):
+    text = summarize(eg.TrainState.create(_net(), optim.sgd(0.1)), max_depth=max_depth)
+    rows = [line for line in text.splitlines() if " | " in line][1:]
+    assert [r.split(" | ")[1].strip() for r in rows] == names
+    assert text.splitlines()[-4].endswith("Trainable params")
+
+
+def test_summary_of_a_pure_function_state_has_a_row_per_tensor():
+    state = eg.TrainState.create(
+        {"w": torch.zeros(3, 2), "b": torch.zeros(2)},
+        optim.sgd(0.1),
+        buffers={"scale": torch.ones(4, dtype=torch.float64)},
+    )
+    text = summarize(state)
+    rows = [[c.strip() for c in line.split(" | ")] for line in text.splitlines()[2:5]]
+    assert rows == [
+        ["0", "w", "Parameter", "[3, 2]", "6"],
+        ["1", "b", "Parameter", "[2]", "2"],
+        ["2", "scale", "Buffer", "[4]", "0"],
+    ]
+    assert "8         Trainable params" in text and "0         Non-trainable" in text
+    assert f"{(8 * 4 + 4 * 8) / 1e6:<10,.3f}Total size" in text
+
+
+def test_model_summary_prints_at_fit_start_unless_max_depth_is_zero():
+    out = io.StringIO()
+    fit = FakeFit([ModelSummary(max_depth=1, file=out)], max_epochs=1)
+    fit.fit()
+    assert out.getvalue() == summarize(fit.state) + "\n"
+    out = io.StringIO()
+    FakeFit([ModelSummary(max_depth=0, file=out)], max_epochs=1).fit()
+    assert out.getvalue() == ""
+    with pytest.raises(ValueError, match="-2"):
+        ModelSummary(max_depth=-2)
+    with pytest.raises(TypeError, match="TrainState"):
+        summarize(nn.Linear(2, 2))  # type: ignore[arg-type]
