@@ -45,7 +45,8 @@ def check_limit(name: str, value: Any) -> int | float:
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...], later: str = "") -> Any:
-    if value not in choices:
+    # a bool is not an int here: devices=True must not pass as devices=1
+    if not any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in choices):
         shown = ", ".join(repr(c) for c in choices)
         hint = f" ({later})" if later else ""
         raise ValueError(f"Trainer({name}={value!r}): accepted values are {shown}{hint}")
@@ -107,6 +108,9 @@ def check_val_check_interval(value: Any) -> int | float:
 def sanity_steps(value: Any) -> float:
     if value is None:
         return 2
-    if value == -1:
-        return math.inf
-    return check_int("num_sanity_val_steps", value, minimum=0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(
+            f"Trainer(num_sanity_val_steps={value!r}): num_sanity_val_steps must be an int >= 0, "
+            "-1 (all validation batches) or None (2)"
+        )
+    return math.inf if value == -1 else value

@@ -262,10 +262,12 @@ class TrainStep:
         donate: bool,
         compile: bool | Mapping[str, Any],
         clip: GradientTransformation | None = None,
+        grad_norm: bool = False,
     ) -> None:
         self.loss_fn = loss_fn
         self.tx = tx
         self.clip = clip
+        self.grad_norm = grad_norm
         self.accumulate = accumulate
         self.donate = donate
         self.compile = compile
@@ -296,6 +298,10 @@ class TrainStep:
             if grad_accum is not None:
                 torch._foreach_add_(grads, list(grad_accum.values()))
             grads = dict(zip(params, grads, strict=True))
+            if self.grad_norm:
+                # Lightning's grad_norm(..., norm_type=2)["grad_2.0_norm_total"], before clipping
+                norms = torch._foreach_norm(list(grads.values()))
+                metrics["grad_norm"] = torch.linalg.vector_norm(torch.stack(norms))
             if self.clip is not None:
                 grads, _ = self.clip.update(grads, (), params, step)
             if self.tx.apply is not None:
@@ -377,6 +383,7 @@ def train_step(
     donate: bool = True,
     compile: bool | Mapping[str, Any] = False,
     clip: GradientTransformation | None = None,
+    grad_norm: bool = False,
 ) -> TrainStep:
     """Build a pure training step ``(state, batch) -> (state, metrics)``.
 
@@ -395,6 +402,8 @@ def train_step(
         clip: a *stateless* transformation applied to the (accumulated) gradients before the
             optimizer, such as ``optim.clip_by_global_norm(1.0)``; the Trainer's
             ``gradient_clip_val`` goes here, so the optimizer state keeps its shape.
+        grad_norm: report the total 2-norm of the gradients (before clipping) as the metric
+            ``"grad_norm"`` on the calls that step the optimizer.
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -424,7 +433,15 @@ def train_step(
             f"clip must be a stateless GradientTransformation such as "
             f"optim.clip_by_global_norm(1.0) (got {clip!r}); put stateful transforms in tx"
         )
-    return TrainStep(loss_fn, tx, accumulate=accumulate, donate=donate, compile=compile, clip=clip)
+    return TrainStep(
+        loss_fn,
+        tx,
+        accumulate=accumulate,
+        donate=donate,
+        compile=compile,
+        clip=clip,
+        grad_norm=grad_norm,
+    )
 
 
 class _InferenceStep(Generic[Out]):

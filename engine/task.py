@@ -56,6 +56,10 @@ class Task:
             bar besides the loss.
         reduce: how a metric is reduced over an epoch: ``"mean"`` (weighted by batch size, the
             default), ``"sum"``, ``"max"`` or ``"min"``.
+        grad_norm: report the gradients' total 2-norm (before clipping) as ``"grad_norm"``
+            on optimizer steps (Lightning's ``grad_norm`` utility).
+        hparams: hyperparameters to record with the loggers when fitting (Lightning's
+            ``save_hyperparameters``); plain values or nested mappings of them.
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -78,6 +82,8 @@ class Task:
     lr: ScheduleLike | None = None
     prog_bar: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     reduce: Mapping[str, str] = attrs.field(factory=dict, validator=_check_reduce)
+    grad_norm: bool = False
+    hparams: Mapping[str, Any] = attrs.field(factory=dict)
 
     def init(
         self, model: nn.Module | Mapping[str, Tensor], *, seed: int = 0, **kwargs: Any
@@ -87,6 +93,7 @@ class Task:
 
     def train_step(self, **kwargs: Any) -> TrainStep:
         """``engine.train_step(self.loss_fn, self.tx, **kwargs)``."""
+        kwargs.setdefault("grad_norm", self.grad_norm)
         return train_step(self.loss_fn, self.tx, **kwargs)
 
     def eval_step(self, **kwargs: Any) -> EvalStep:

@@ -102,7 +102,7 @@ class Trainer:
         compile: bool | Mapping[str, Any] = False,
     ) -> None:
         # -- placement and scale-out: single-process CPU until their own issues land
-        later = "other values arrive with the device/precision/distributed work"
+        later = "not supported yet: other values arrive with the device/precision/distributed work"
         cfg.check_choice("accelerator", accelerator, ("auto", "cpu"), later)
         cfg.check_choice("strategy", strategy, ("auto", "single_device"), later)
         cfg.check_choice("devices", devices, ("auto", 1, "1", -1, "-1", [0], (0,)), later)
@@ -114,6 +114,16 @@ class Trainer:
         cfg.check_choice("inference_mode", inference_mode, (True, False))
         cfg.check_choice("detect_anomaly", detect_anomaly, (True, False))
         cfg.check_choice("barebones", barebones, (True, False))
+        for flag, value in (
+            ("enable_checkpointing", enable_checkpointing),
+            ("enable_progress_bar", enable_progress_bar),
+            ("enable_model_summary", enable_model_summary),
+        ):
+            cfg.check_choice(flag, value, (None, True, False))
+        if not isinstance(compile, (bool, Mapping)):
+            raise ValueError(
+                f"Trainer(compile={compile!r}): pass True, False or a dict of torch.compile options"
+            )
         cfg.check_choice("deterministic", deterministic, (None, True, False, "warn"))
         cfg.check_choice("benchmark", benchmark, (None, True, False))
         cfg.check_choice("profiler", profiler, (None, "simple", "pytorch"))
@@ -133,6 +143,10 @@ class Trainer:
         self.max_steps = cfg.check_int("max_steps", max_steps, minimum=-1)
         self.min_steps = cfg.check_int("min_steps", min_steps, minimum=0, allow_none=True)
         self.min_epochs = cfg.check_int("min_epochs", min_epochs, minimum=0, allow_none=True)
+        if self.min_epochs is None and self.min_steps is not None:
+            # Lightning's _parse_loop_limits: with min_steps, a stop request still completes the
+            # first epoch
+            self.min_epochs = 1
         cfg.check_int("max_epochs", max_epochs, minimum=-1, allow_none=True)
         self.max_time = cfg.parse_max_time(max_time)
         if max_epochs is None:
@@ -161,7 +175,8 @@ class Trainer:
             cfg.check_int("log_every_n_steps", log_every_n_steps, minimum=1)
 
         # -- fast_dev_run: n batches of everything, once, no loggers (Lightning's meaning)
-        cfg.check_int("fast_dev_run", int(fast_dev_run), minimum=0)
+        if not isinstance(fast_dev_run, bool):
+            cfg.check_int("fast_dev_run", fast_dev_run, minimum=0)
         self.fast_dev_run = int(fast_dev_run)
         if self.fast_dev_run:
             n = self.fast_dev_run
@@ -181,6 +196,9 @@ class Trainer:
                 "log_every_n_steps": log_every_n_steps is not None,
                 "detect_anomaly": detect_anomaly,
                 "profiler": profiler is not None,
+                # Lightning also turns these off in barebones mode
+                "num_sanity_val_steps": num_sanity_val_steps not in (None, 0),
+                "fast_dev_run": bool(fast_dev_run),
             }
             for flag, on in offending.items():
                 if on:
@@ -190,6 +208,7 @@ class Trainer:
                     )
             enable_checkpointing = enable_progress_bar = enable_model_summary = False
             logger = False
+            self.num_sanity_val_steps = 0
         self.log_every_n_steps = log_every_n_steps if log_every_n_steps is not None else 50
         self.enable_checkpointing = enable_checkpointing is not False
         self.enable_progress_bar = enable_progress_bar is not False
@@ -219,6 +238,7 @@ class Trainer:
         self.num_test_batches: list[float] = []
         self.num_predict_batches: list[float] = []
         self.val_check_batch: float = INF
+        self._val_loaded_at: int | None = None  # the epoch the val loaders were last fetched
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
@@ -243,6 +263,8 @@ class Trainer:
         return loggers
 
     def _build_callbacks(self, callbacks: Any) -> list[Any]:
+        if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+            callbacks = [callbacks]  # one listener, as Lightning takes one Callback
         listeners = list(callbacks or [])
         if self.enable_progress_bar and not any(_is(x, "ProgressBar") for x in listeners):
             from engine.listeners import ProgressBar
@@ -330,10 +352,11 @@ class Trainer:
             stack.enter_context(torch.autograd.detect_anomaly())
         if self.deterministic is not None:
             previous = torch.are_deterministic_algorithms_enabled()
+            previous_warn = torch.is_deterministic_algorithms_warn_only_enabled()
             torch.use_deterministic_algorithms(
                 bool(self.deterministic), warn_only=self.deterministic == "warn"
             )
-            stack.callback(torch.use_deterministic_algorithms, previous)
+            stack.callback(torch.use_deterministic_algorithms, previous, warn_only=previous_warn)
         if self.benchmark is not None:
             previous_bm = torch.backends.cudnn.benchmark
             torch.backends.cudnn.benchmark = self.benchmark
@@ -410,8 +433,12 @@ class Trainer:
             limit_batches("val", count_batches(dl), self.limit_val_batches) for dl in val_loaders
         ]
         enable_validation = sum(self.num_val_batches) > 0
+        if task.hparams:
+            for lg in self.loggers:
+                lg.log_hyperparams(dict(task.hparams))
         self._emit(Event.ON_FIT_START)
 
+        self._val_loaded_at = None
         sanity = [min(self.num_sanity_val_steps, n) for n in self.num_val_batches]
         if enable_validation and sum(sanity) > 0:
             self.sanity_checking = True
@@ -419,6 +446,7 @@ class Trainer:
             self._evaluate("validation", evaluate, val_loaders, sanity, log=False)
             self._emit(Event.ON_SANITY_CHECK_END)
             self.sanity_checking = False
+            self._val_loaded_at = self.current_epoch
 
         self._emit(Event.ON_TRAIN_START)
         reducer = MetricReducer(task.reduce)
@@ -469,6 +497,7 @@ class Trainer:
                 if validate_this_epoch and self._should_validate(
                     batch_idx, total_batch_idx, is_last
                 ):
+                    val_loaders = self._reload_val_loaders(val_loaders, dm)
                     self._evaluate(
                         "validation", evaluate, val_loaders, self.num_val_batches, log=True
                     )
@@ -484,6 +513,22 @@ class Trainer:
             self._state = self._state.replace(epoch=epoch + 1, batch_idx=0)
         self._emit(Event.ON_TRAIN_END)
         self._emit(Event.ON_FIT_END)
+
+    def _reload_val_loaders(self, val_loaders: list[Any], dm: Any) -> list[Any]:
+        """Lightning's reload_dataloaders_every_n_epochs for validation: the loaders are fetched
+        again when a validation starts at least n epochs after they were last fetched (the
+        loaders fit() resolved count as fetched at their first use)."""
+        n, epoch = self.reload_dataloaders_every_n_epochs, self.current_epoch
+        if self._val_loaded_at is None:
+            self._val_loaded_at = epoch
+        elif n and dm is not None and epoch - self._val_loaded_at >= n:
+            val_loaders = resolve_loaders("fit", None, dm, "val_dataloader")
+            self.num_val_batches = [
+                limit_batches("val", count_batches(dl), self.limit_val_batches)
+                for dl in val_loaders
+            ]
+            self._val_loaded_at = epoch
+        return val_loaders
 
     def _val_check_batch(self, enable_validation: bool) -> float:
         if isinstance(self.val_check_interval, int):
@@ -548,7 +593,7 @@ class Trainer:
         assert self.task is not None
         shown = {"loss", *self.task.prog_bar}
         for k, v in metrics.items():
-            name = k.split("/", 1)[-1].removesuffix("_epoch")
+            name = k.split("/", 1)[-1].split("/dataloader_idx_")[0].removesuffix("_epoch")
             if name in shown:
                 self.progress_bar_metrics[k] = v
 

@@ -249,3 +249,62 @@ STOP_CONFIGS = {
 @pytest.mark.parametrize(("kwargs", "stop_at"), STOP_CONFIGS.values(), ids=STOP_CONFIGS.keys())
 def test_stopping_matches_lightning(kwargs, stop_at):
     _compare(kwargs, stop_at=stop_at)
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_evaluation_stages_match_lightning(stage):
+    _quiet()
+    theirs: list[str] = []
+    ours: list[str] = []
+
+    class Recorder(pl.Callback):
+        pass
+
+    for name in dir(pl.Callback):
+        if name.startswith("on_") or name in ("setup", "teardown"):
+            setattr(Recorder, name, lambda self, *a, _n=name, **k: theirs.append(_n))
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def validation_step(self, batch, batch_idx):
+            self.log("v", self.layer(batch[0]).mean())
+
+        def test_step(self, batch, batch_idx):
+            self.log("v", self.layer(batch[0]).mean())
+
+        def predict_step(self, batch, batch_idx):
+            return self.layer(batch[0])
+
+    loader = DataLoader(TensorDataset(torch.randn(5, 2)), batch_size=2)
+    trainer = pl.Trainer(
+        callbacks=[Recorder()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    kwargs = {} if stage == "predict" else {"verbose": False}
+    expected = getattr(trainer, stage)(Module(), loader, **kwargs)
+
+    class Ours(eg.Listener):
+        pass
+
+    for ev in eg.Event:
+        setattr(Ours, ev.value, lambda self, rec, _n=ev.value: ours.append(_n))
+    task = eg.Task(
+        lambda m, b: m(b[0]).mean(),
+        optim.sgd(0.1),
+        eval_fn=lambda m, b: {"v": m(b[0]).mean()},
+        predict_fn=lambda m, b: m(b[0]),
+    )
+    ours_trainer = eg.Trainer(
+        callbacks=[Ours()], logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    got = getattr(ours_trainer, stage)(task, task.init(torch.nn.Linear(2, 1)), loader, **kwargs)
+    assert ours == [n for n in theirs if n not in NOT_COMPARED]
+    assert type(got) is type(expected) and len(got) == len(expected)
+    if stage != "predict":
+        assert [len(d) for d in got] == [len(d) for d in expected]

@@ -347,3 +347,14 @@ def test_compiled_eval_predict_and_pure_function_steps_match_eager():
             s, _ = step(s, (x, x @ target))
         runs.append(s.params["w"])
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_grad_norm_metric_is_the_total_norm_before_clipping():
+    model = _mlp()
+    x, y = _batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    tx = optim.sgd(0.1)
+    step = eg.train_step(_ce, tx, grad_norm=True, clip=optim.clip_by_global_norm(1e-3))
+    _, metrics = step(eg.TrainState.create(_mlp(), tx), (x, y))
+    torch.testing.assert_close(metrics["grad_norm"], expected)
