@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     results.update(time_variants("tiny", rounds, steps=100, warmup=30))
     results.update(time_variants("medium", rounds if not args.quick else 5, steps=5, warmup=10))
     results.update(measure_memory(["raw", "raw_fused", "engine_eager"], steps=3))
+    from benchmarks.trainer import time_trainer  # imports this module: import late
+
+    results.update(time_trainer(rounds=5 if args.quick else 11))
     if args.json:
         print(json.dumps(results, indent=2))
     else:

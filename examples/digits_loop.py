@@ -1,6 +1,6 @@
-"""Train a small MLP on scikit-learn's digits with engine's pure steps, in a hand-written loop.
+"""Train on scikit-learn's digits with engine's pure steps in a hand-written loop (no Trainer).
 
-    python examples/digits.py [--epochs 30] [--seed 0]
+    python examples/digits_loop.py [--epochs 30] [--seed 0]
 
 The digits data (1,797 8x8 images) ships inside scikit-learn: nothing is downloaded. The loop
 below is all there is: a frozen TrainState goes in, a new one comes out. Batches are shuffled by a

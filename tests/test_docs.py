@@ -12,8 +12,9 @@ def test_readme_python_blocks_run():
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks, "README.md has no python example"
+    namespace = {"__name__": "__readme__"}  # blocks build on each other, as a reader's session
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), {"__name__": "__readme__"})
+        exec(compile(block, "README.md", "exec"), namespace)
 
 
 def test_every_public_name_is_exported_and_documented():

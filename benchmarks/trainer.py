@@ -1,0 +1,158 @@
+"""The Trainer's per-step overhead, as ratios, on the tiny MLP of ``benchmarks.step``.
+
+* ``trainer_barebones_vs_hand``: ``Trainer(barebones=True).fit`` against a hand-written loop
+  calling the same built step over the same batches (target <= 1.03).
+* ``trainer_logged_vs_hand``: the Trainer with a progress bar (rendering to /dev/null) and a
+  TensorBoard logger (log_every_n_steps=50) against the same hand loop (target <= 1.10).
+* ``lightning_barebones_vs_raw`` / ``lightning_defaults_vs_raw``: Lightning's own Trainer on the
+  same model and data (when pytorch-lightning is installed), against the raw PyTorch loop of
+  ``benchmarks.step`` — the figure to compare with ``tiny_engine_eager_ratio``.
+
+Each variant trains one epoch of ``BATCHES`` batches per round; rounds are interleaved and a
+variant's figure is the median over rounds of its time over its reference's time in that round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import engine as eg
+from benchmarks.step import SHAPES, batch, loss_fn, mlp, raw_loop
+from engine import optim
+
+BATCHES = 200
+
+
+def _engine_variants(sizes, data, tmp: str) -> dict[str, Callable[[], None]]:
+    task = eg.Task(loss_fn, optim.adamw(1e-3))
+    step = task.train_step()
+    hand_box = [task.init(mlp(sizes), seed=0)]
+    bare_box = [task.init(mlp(sizes), seed=0)]
+    logged_box = [task.init(mlp(sizes), seed=0)]
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the benchmark
+
+    def hand() -> None:
+        state = hand_box[0].replace(epoch=0, batch_idx=0)
+        last = len(data) - 1
+        for i, b in enumerate(data):
+            state, _ = step(state, b, flush=i == last)
+        hand_box[0] = state
+
+    def bare() -> None:
+        trainer = eg.Trainer(max_epochs=1, barebones=True)
+        bare_box[0] = trainer.fit(task, bare_box[0].replace(epoch=0, batch_idx=0), data)
+
+    def logged() -> None:
+        from engine.listeners import ProgressBar
+        from engine.loggers import TensorBoardLogger
+
+        trainer = eg.Trainer(
+            max_epochs=1,
+            callbacks=[ProgressBar(file=devnull)],
+            logger=TensorBoardLogger(tmp, version=0),
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        logged_box[0] = trainer.fit(task, logged_box[0].replace(epoch=0, batch_idx=0), data)
+
+    return {"hand": hand, "trainer_barebones": bare, "trainer_logged": logged}
+
+
+def _lightning_variants(sizes, data, tmp: str) -> dict[str, Callable[[], None]]:
+    try:
+        import pytorch_lightning as pl
+    except ImportError:
+        return {}
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp(sizes)
+
+        def training_step(self, b: Any, i: int) -> torch.Tensor:
+            loss = F.cross_entropy(self.net(b[0]), b[1])
+            if not self.trainer.barebones:
+                self.log("loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters())
+
+    raw = raw_loop(sizes, data[0])
+    modules = {"bare": Module(), "defaults": Module()}
+
+    def raw_epoch() -> None:
+        for _ in data:
+            raw()
+
+    def lightning(kind: str) -> Callable[[], None]:
+        def run() -> None:
+            kwargs: dict[str, Any] = (
+                {"barebones": True}
+                if kind == "bare"
+                else {"default_root_dir": tmp, "enable_checkpointing": False}
+            )
+            trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, **kwargs)
+            with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+                trainer.fit(modules[kind], data)
+
+        return run
+
+    return {
+        "raw": raw_epoch,
+        "lightning_barebones": lightning("bare"),
+        "lightning_defaults": lightning("defaults"),
+    }
+
+
+def _interleave(runs: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    for run in runs.values():
+        run()  # warm up (and build any lazy state)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for k, run in runs.items():
+                t0 = time.perf_counter()
+                run()
+                times[k].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    return times
+
+
+def _ratio(times: dict[str, list[float]], variant: str, reference: str) -> float:
+    return statistics.median(t / r for t, r in zip(times[variant], times[reference], strict=True))
+
+
+def time_trainer(rounds: int) -> dict[str, float]:
+    sizes, n = SHAPES["tiny"]
+    x, y = batch(sizes, n)
+    data = [(x, y)] * BATCHES
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        times = _interleave(_engine_variants(sizes, data, tmp), rounds)
+        out["trainer_barebones_vs_hand"] = _ratio(times, "trainer_barebones", "hand")
+        out["trainer_logged_vs_hand"] = _ratio(times, "trainer_logged", "hand")
+        lightning = _lightning_variants(sizes, data, tmp)
+        if lightning:
+            times = _interleave(lightning, max(3, rounds // 2))
+            out["lightning_barebones_vs_raw"] = _ratio(times, "lightning_barebones", "raw")
+            out["lightning_defaults_vs_raw"] = _ratio(times, "lightning_defaults", "raw")
+    return out
