@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -240,6 +241,8 @@ class Trainer:
         self.val_check_batch: float = INF
         self._val_loaded_at: int | None = None  # the epoch the val loaders were last fetched
         self.callback_metrics: dict[str, float] = {}
+        self._snapshot: Mapping[str, float] = MappingProxyType({})
+        self._snapshot_of = self._metrics_version = 0  # bumped whenever callback_metrics changes
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self.profile: dict[str, list[float]] = {}
@@ -306,6 +309,14 @@ class Trainer:
                 return str(d)
         return self.default_root_dir
 
+    def _metrics_view(self) -> Mapping[str, float]:
+        # An immutable snapshot for event records, rebuilt only when the metrics changed (one
+        # copy per logging step instead of one per event).
+        if self._snapshot_of != self._metrics_version:
+            self._snapshot = MappingProxyType(dict(self.callback_metrics))
+            self._snapshot_of = self._metrics_version
+        return self._snapshot
+
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Send host-side metrics to every logger and record them as logged/callback metrics."""
         step = self.global_step if step is None else step
@@ -313,6 +324,7 @@ class Trainer:
             lg.log_metrics(dict(metrics), step)
         self.logged_metrics.update(metrics)
         self.callback_metrics.update(metrics)
+        self._metrics_version += 1
 
     # ------------------------------------------------------------------ events
 
@@ -325,7 +337,7 @@ class Trainer:
                 event=event,
                 stage="sanity_check" if self.sanity_checking else (self.stage or ""),
                 state=self._state,
-                metrics=dict(self.callback_metrics),
+                metrics=self._metrics_view(),
                 trainer=self,
                 **fields,
             )
@@ -638,6 +650,7 @@ class Trainer:
             else:
                 self.logged_metrics.update(merged)
                 self.callback_metrics.update(merged)
+                self._metrics_version += 1
                 for lg in self.loggers:
                     lg.log_metrics(merged, self.global_step)
             self._update_prog_bar(merged)

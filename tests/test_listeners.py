@@ -675,7 +675,7 @@ def test_progress_bar_draws_epochs_validation_and_the_sanity_check():
 
 def test_progress_bar_reads_metrics_only_on_refresh_steps():
     fit = _CountingTrainer(
-        [ProgressBar(refresh_rate=2, file=io.StringIO())],
+        [ProgressBar(refresh_rate=2, file=io.StringIO(), min_interval=0.0)],
         max_epochs=1,
         num_training_batches=5,
         num_val_batches=[],
@@ -871,3 +871,15 @@ def test_model_summary_prints_at_fit_start_unless_max_depth_is_zero():
         ModelSummary(max_depth=-2)
     with pytest.raises(TypeError, match="TrainState"):
         summarize(nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_progress_bar_draws_at_most_once_per_min_interval_but_always_the_last_batch():
+    fit = _CountingTrainer(
+        [ProgressBar(refresh_rate=1, file=io.StringIO(), min_interval=3600.0)],
+        max_epochs=1,
+        num_training_batches=50,
+        num_val_batches=[],
+    )
+    fit.fit()
+    # the first batch draws, then nothing until the last batch and the epoch end
+    assert fit.reads == [1, 50, 50]

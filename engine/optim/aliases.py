@@ -11,6 +11,7 @@ form agrees with torch.optim to float rounding (about 1e-7 relative per step).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -96,10 +97,27 @@ def _with_fused(
         apply_updates(params, updates)
         return state
 
+    # The grouping depends only on the parameter tensors, which a donated state keeps from step
+    # to step: remember it for the last set seen (by identity; ids hold nothing alive) instead
+    # of re-walking every parameter and re-running the mask on every step.
+    plan: dict[str, Any] = {"ids": None, "bad": [], "groups": []}
+
+    def groups_of(params: Params) -> tuple[list[str], list[tuple[list[str], bool]]]:
+        ids = tuple(map(id, params.values()))
+        if plan["ids"] != ids:
+            bad = [k for k, p in params.items() if not _fused_supported(p)]
+            decays = _resolve(mask, params, "mask") if mask is not None else None
+            groups: dict[tuple, list[str]] = {}
+            for k, p in params.items():
+                decay = decays is None or bool(decays[k])
+                groups.setdefault((p.device, p.dtype, decay), []).append(k)
+            plan.update(ids=ids, bad=bad, groups=[(ks, g[2]) for g, ks in groups.items()])
+        return plan["bad"], plan["groups"]
+
     def apply(grads: Updates, state: OptState, params: Params, step: int) -> OptState:
         if not grads or torch.compiler.is_compiling():
             return fallback(grads, state, params, step) if grads else state
-        bad = [k for k, p in params.items() if not _fused_supported(p)]
+        bad, groups = groups_of(params)
         if bad and fused is None:
             return fallback(grads, state, params, step)
         if bad:
@@ -109,11 +127,7 @@ def _with_fused(
                 f"fused kernel does not support (it needs floating point tensors on "
                 f"{'/'.join(_FUSED_DEVICES)}); pass fused=None to fall back to the foreach path"
             )
-        decays = _resolve(mask, params, "mask") if mask is not None else None
-        groups: dict[tuple, list[str]] = {}
-        for k, p in params.items():
-            groups.setdefault((p.device, p.dtype, decays is None or bool(decays[k])), []).append(k)
-        for (_, _, decay), keys in groups.items():
+        for keys, decay in groups:
             kernel(keys, grads, state, params, step, decay)
         return state
 
