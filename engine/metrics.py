@@ -45,7 +45,10 @@ class MetricReducer:
         with torch.no_grad():
             for k in keys:
                 rows = [(m[k], n) for m, n in pending if k in m]
-                v = torch.stack([t.detach().float().mean() for t, _ in rows])
+                ts = [t.detach() for t, _ in rows]
+                if any(t.ndim for t in ts):
+                    ts = [t.float().mean() for t in ts]
+                v = torch.stack(ts).float()
                 how = self.reduce.get(k, "mean")
                 if how == "mean":
                     sizes = torch.tensor([n for _, n in rows], dtype=v.dtype, device=v.device)
