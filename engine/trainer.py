@@ -605,7 +605,9 @@ class Trainer:
         assert self.task is not None
         shown = {"loss", *self.task.prog_bar}
         for k, v in metrics.items():
-            name = k.split("/", 1)[-1].split("/dataloader_idx_")[0].removesuffix("_epoch")
+            if k.startswith("train/") and k.endswith("_epoch"):
+                continue  # the bar shows the latest step values; epoch means go to the loggers
+            name = k.split("/", 1)[-1].split("/dataloader_idx_")[0]
             if name in shown:
                 self.progress_bar_metrics[k] = v
 

@@ -623,7 +623,9 @@ def test_metrics_after_fit_hold_step_epoch_and_validation_values():
     )
     for key in ("train/loss", "train/loss_epoch", "val/loss"):
         assert trainer.logged_metrics[key] == trainer.callback_metrics[key]
+    for key in ("train/loss", "val/loss"):  # the bar shows step values, not epoch means
         assert trainer.progress_bar_metrics[key] == trainer.callback_metrics[key]
+    assert "train/loss_epoch" not in trainer.progress_bar_metrics
 
 
 def test_a_logger_gets_every_nth_step_epoch_metrics_once_per_epoch_and_success():
