@@ -1,12 +1,15 @@
 """engine: a functional training engine for PyTorch.
 
 Pure step functions over a frozen :class:`TrainState`, functional optimizers in
-:mod:`engine.optim`, and (in later releases) a thin ``Trainer`` driver with Lightning's loop
-semantics and bitwise-exact resume.
+:mod:`engine.optim`, and a thin :class:`Trainer` driver with Lightning's flags, loop semantics
+and hook names, whose listeners (:mod:`engine.listeners`) and loggers (:mod:`engine.loggers`)
+react to events but cannot change the state.
 """
 
-from engine import optim, rng
+from engine import listeners, loggers, optim, rng
 from engine.events import Event, EventRecord, Listener, Stop, on
+from engine.listeners import EarlyStopping, LearningRateMonitor, ModelSummary, ProgressBar, Timer
+from engine.loggers import CSVLogger, TensorBoardLogger
 from engine.state import ConsumedStateError, TrainState
 from engine.step import (
     EvalStep,
@@ -23,7 +26,14 @@ from engine.trainer import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "CSVLogger",
     "ConsumedStateError",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "ModelSummary",
+    "ProgressBar",
+    "TensorBoardLogger",
+    "Timer",
     "Event",
     "EventRecord",
     "Listener",
@@ -38,6 +48,8 @@ __all__ = [
     "TrainStep",
     "__version__",
     "eval_step",
+    "listeners",
+    "loggers",
     "optim",
     "predict_step",
     "rng",
