@@ -647,14 +647,7 @@ class Trainer:
             results.append({f"{prefix}/{k}{suffix}": v for k, v in reducer.compute().items()})
         if log and not self.sanity_checking:
             merged = {k: v for r in results for k, v in r.items()}
-            if self.stage == "fit":
-                self.log_metrics(merged)
-            else:
-                self.logged_metrics.update(merged)
-                self.callback_metrics.update(merged)
-                self._metrics_version += 1
-                for lg in self.loggers:
-                    lg.log_metrics(merged, self.global_step)
+            self.log_metrics(merged)
             self._update_prog_bar(merged)
         self._emit(ev["epoch_end"])
         self._emit(ev["end"])
