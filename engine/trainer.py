@@ -437,10 +437,16 @@ class Trainer:
             clip = (
                 clip_by_global_norm if self.gradient_clip_algorithm == "norm" else clip_by_value
             )(float(self.gradient_clip_val))
-        step = task.train_step(
-            accumulate=self.accumulate_grad_batches, clip=clip, compile=self.compile
+        step = self._timed(
+            "train_step",
+            task.train_step(
+                accumulate=self.accumulate_grad_batches, clip=clip, compile=self.compile
+            ),
         )
-        evaluate = task.eval_step(inference_mode=self.inference_mode, compile=self.compile)
+        evaluate = self._timed(
+            "validation_step",
+            task.eval_step(inference_mode=self.inference_mode, compile=self.compile),
+        )
         self.num_val_batches = [
             limit_batches("val", count_batches(dl), self.limit_val_batches) for dl in val_loaders
         ]
@@ -705,8 +711,11 @@ class Trainer:
             self.num_val_batches = limits
         else:
             self.num_test_batches = limits
-        step = (task.eval_step if kind == "validation" else task.test_step)(
-            inference_mode=self.inference_mode, compile=self.compile
+        step = self._timed(
+            f"{kind}_step",
+            (task.eval_step if kind == "validation" else task.test_step)(
+                inference_mode=self.inference_mode, compile=self.compile
+            ),
         )
         with self._run(stage, task, state):
             results = self._evaluate(kind, step, loaders, limits, log=True)
@@ -735,7 +744,10 @@ class Trainer:
             for dl in loaders
         ]
         self.num_predict_batches = limits
-        step = task.predict_step(inference_mode=self.inference_mode, compile=self.compile)
+        step = self._timed(
+            "predict_step",
+            task.predict_step(inference_mode=self.inference_mode, compile=self.compile),
+        )
         keep = return_predictions is not False
         outputs: list[list[Any]] = []
         with self._run("predict", task, state):
@@ -789,10 +801,36 @@ class Trainer:
         self.profile = {}
         yield
         total = time.perf_counter() - start
-        report = f"Simple profiler: {stage} took {total:.3f}s"
+        lines = [
+            f"Simple profiler: {stage} took {total:.3f}s",
+            "",
+            f"{'action':24s} {'calls':>8s} {'total s':>10s} {'mean ms':>10s} {'% of run':>9s}",
+        ]
+        for action, times in sorted(self.profile.items(), key=lambda kv: -sum(kv[1])):
+            spent = sum(times)
+            lines.append(
+                f"{action:24s} {len(times):8d} {spent:10.3f} {1e3 * spent / len(times):10.3f} "
+                f"{100 * spent / total:8.1f}%"
+            )
+        report = "\n".join(lines)
         with open(os.path.join(log_dir, f"{stage}-profile.txt"), "w") as f:
             f.write(report + "\n")
         print(report)
+
+    def _timed(self, action: str, fn: Any) -> Any:
+        """``fn``, timed into ``self.profile[action]`` when ``profiler="simple"``, else itself
+        (no cost in the loop when profiling is off)."""
+        if self.profiler != "simple":
+            return fn
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.profile.setdefault(action, []).append(time.perf_counter() - t0)
+
+        return timed
 
 
 _EVAL_EVENTS = {

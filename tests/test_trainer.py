@@ -918,6 +918,11 @@ def test_profiler_simple_writes_a_report_under_default_root_dir(tmp_path, capsys
     report = tmp_path / "fit-profile.txt"
     assert report.is_file() and "fit took" in report.read_text()
     assert "Simple profiler" in capsys.readouterr().out
+    # one timing per train step call, summarised per action
+    row = next(line for line in report.read_text().splitlines() if line.startswith("train_step"))
+    assert int(row.split()[1]) == 2 == len(trainer.profile["train_step"])
+    trainer.test(task, trainer.state, _batches(3), verbose=False)
+    assert len(trainer.profile["test_step"]) == 3
 
 
 @pytest.mark.parametrize("call", ["fit", "validate", "test", "predict"])
@@ -933,3 +938,14 @@ def test_fit_refuses_a_task_or_state_of_the_wrong_type():
         _trainer().fit(object(), task.init(_linear()), _batches(2))
     with pytest.raises(TypeError, match=r"engine\.TrainState"):
         _trainer().fit(task, _linear(), _batches(2))
+
+
+def test_profiler_pytorch_writes_a_chrome_trace_into_the_log_dir(tmp_path, capsys):
+    import json
+
+    task = _task()
+    trainer = _trainer(max_epochs=1, profiler="pytorch", default_root_dir=tmp_path)
+    trainer.fit(task, task.init(_linear()), _batches(2))
+    trace = json.loads((tmp_path / "fit-trace.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("addmm" in n or "linear" in n for n in names)
