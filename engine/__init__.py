@@ -6,7 +6,7 @@ and hook names, whose listeners (:mod:`engine.listeners`) and loggers (:mod:`eng
 react to events but cannot change the state.
 """
 
-from engine import listeners, loggers, optim, rng
+from engine import checkpoint, listeners, loggers, optim, rng
 from engine.events import Event, EventRecord, Listener, Stop, on
 from engine.listeners import EarlyStopping, LearningRateMonitor, ModelSummary, ProgressBar, Timer
 from engine.loggers import CSVLogger, TensorBoardLogger
@@ -47,6 +47,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "__version__",
+    "checkpoint",
     "eval_step",
     "listeners",
     "loggers",
