@@ -209,7 +209,17 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{meta_path}: format version {version!r} is newer than this engine reads "
             f"({FORMAT_VERSION}); upgrade engine"
         )
-    return meta
+    return _decode(meta)
+
+
+def _decode(x: Any) -> Any:
+    if isinstance(x, dict):
+        if set(x) == {"$float"}:
+            return float(x["$float"])
+        return {k: _decode(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_decode(v) for v in x]
+    return x
 
 
 def _verified_tensors(path: Path, meta: Mapping[str, Any]) -> dict[str, Tensor]:
@@ -358,12 +368,12 @@ def _engine_version() -> str:
 
 def _jsonable(value: Any, what: str) -> Any:
     def check(x: Any) -> Any:
+        if isinstance(x, Tensor) and x.numel() == 1:
+            x = x.item()
         if isinstance(x, float) and not math.isfinite(x):
-            return repr(x)  # JSON has no NaN/inf; keep them readable
+            return {"$float": repr(x)}  # JSON has no NaN/inf; decoded by read_meta
         if isinstance(x, (str, int, float, bool)) or x is None:
             return x
-        if isinstance(x, Tensor) and x.numel() == 1:
-            return x.item()
         raise CheckpointError(
             f"{what}: {type(x).__name__} values cannot go in meta.json; pass numbers, strings, "
             "lists and dicts of them"

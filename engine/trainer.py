@@ -13,14 +13,17 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from engine import _config as cfg
+from engine import checkpoint
 from engine.data import batch_size, count_batches, limit_batches, lookahead, resolve_loaders
 from engine.events import Emitter, Event, EventRecord, Stop
 from engine.metrics import MetricReducer
@@ -246,6 +249,7 @@ class Trainer:
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
         self.profile: dict[str, list[float]] = {}
+        self._total_batch_idx = 0  # training batches across epochs (val_check_interval's count)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -347,7 +351,9 @@ class Trainer:
                 self.should_stop = True
 
     @contextlib.contextmanager
-    def _run(self, stage: str, task: Task, state: TrainState) -> Iterator[None]:
+    def _run(
+        self, stage: str, task: Task, state: TrainState, ckpt_path: str | os.PathLike[str] | None
+    ) -> Iterator[None]:
         if not isinstance(task, Task):
             raise TypeError(f"task must be an engine.Task (got {type(task).__name__})")
         if not isinstance(state, TrainState):
@@ -378,6 +384,8 @@ class Trainer:
         with stack:
             self._emit(Event.SETUP)
             try:
+                if ckpt_path is not None:
+                    self._restore(ckpt_path, state)
                 yield
             except BaseException as e:
                 self._emit(Event.ON_EXCEPTION, exception=e)
@@ -391,6 +399,94 @@ class Trainer:
             for lg in self.loggers:
                 if callable(getattr(lg, "finalize", None)):
                     lg.finalize("success")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _keyed_listeners(self) -> list[tuple[str, Any]]:
+        keyed: list[tuple[str, Any]] = []
+        seen: dict[str, int] = {}
+        for listener in self.callbacks:
+            if not callable(getattr(listener, "state_dict", None)):
+                continue
+            key = getattr(listener, "state_key", None) or type(listener).__qualname__
+            seen[key] = seen.get(key, 0) + 1
+            keyed.append((key if seen[key] == 1 else f"{key}#{seen[key]}", listener))
+        return keyed
+
+    def save_checkpoint(
+        self, filepath: str | os.PathLike[str], *, metrics: Mapping[str, float] | None = None
+    ) -> Path:
+        """Save the current state, the listeners' states and the loop position to ``filepath``.
+
+        The checkpoint determines the rest of the run: ``fit(..., ckpt_path=filepath)`` continues
+        it. See :func:`engine.checkpoint.save` for the format and the guarantees.
+        """
+        if self._state is None:
+            raise RuntimeError("save_checkpoint(): nothing to save yet; call fit() first")
+        self._emit(Event.ON_SAVE_CHECKPOINT)
+        listeners = {}
+        for key, listener in self._keyed_listeners():
+            state = listener.state_dict()
+            if state:
+                listeners[key] = state
+        extra = {
+            "listeners": listeners,
+            "trainer": {"total_batch_idx": self._total_batch_idx, "stage": self.stage},
+        }
+        return checkpoint.save(
+            self._state,
+            filepath,
+            metrics=dict(self.callback_metrics) if metrics is None else metrics,
+            extra=extra,
+        )
+
+    def _resolve_ckpt(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
+        if ckpt_path not in ("last", "best"):
+            return Path(ckpt_path)
+        savers = [x for x in self.callbacks if _is(x, "ModelCheckpoint")]
+        if ckpt_path == "best":
+            best = next((x.best_model_path for x in savers if x.best_model_path), None)
+            if not best:
+                raise ValueError(
+                    'ckpt_path="best": no best checkpoint is known; give a ModelCheckpoint with '
+                    "a monitor, or pass a path"
+                )
+            return Path(best)
+        roots = [Path(x.dirpath) for x in savers if getattr(x, "dirpath", None)]
+        roots.append(Path(self.default_root_dir) / "checkpoints")
+        found = []
+        for root in roots:
+            checkpoint.clean_leftovers(root)
+            if root.is_dir():
+                found += [p for p in root.iterdir() if (p / checkpoint.META).is_file()]
+        newest = sorted(found, key=lambda p: (_step_of(p), p.stat().st_mtime), reverse=True)
+        for i, path in enumerate(newest):
+            if checkpoint.inspect(path)["verified"]:
+                if i:
+                    warnings.warn(
+                        f'ckpt_path="last": {newest[0]} fails verification; resuming from the '
+                        f"newest valid checkpoint, {path}",
+                        stacklevel=3,
+                    )
+                return path
+        warnings.warn(
+            'ckpt_path="last": no valid checkpoint found; training starts from the given state',
+            stacklevel=3,
+        )
+        return None
+
+    def _restore(self, ckpt_path: str | os.PathLike[str], template: TrainState) -> None:
+        path = self._resolve_ckpt(ckpt_path)
+        if path is None:
+            return
+        self._state = checkpoint.load(path, template)
+        meta = checkpoint.read_meta(path)
+        saved = meta.get("extra", {}).get("listeners", {})
+        for key, listener in self._keyed_listeners():
+            if key in saved and callable(getattr(listener, "load_state_dict", None)):
+                listener.load_state_dict(saved[key])
+        self._total_batch_idx = meta.get("extra", {}).get("trainer", {}).get("total_batch_idx", 0)
+        self._emit(Event.ON_LOAD_CHECKPOINT)
 
     # ------------------------------------------------------------------ fit
 
@@ -411,9 +507,10 @@ class Trainer:
             train_dataloaders: an iterable of batches (or a datamodule).
             val_dataloaders: one iterable or a list of them.
             datamodule: an object with ``train_dataloader()`` / ``val_dataloader()`` methods.
-            ckpt_path: resume from a checkpoint (arrives with the checkpoint work).
+            ckpt_path: resume from a checkpoint: a path, ``"last"`` or ``"best"`` (of the
+                ``ModelCheckpoint`` listener). ``state`` then gives only the structure (model and
+                optimizer); every value comes from the checkpoint.
         """
-        _refuse_ckpt(ckpt_path)
         if (
             datamodule is None
             and train_dataloaders is not None
@@ -426,7 +523,8 @@ class Trainer:
                 f"Trainer.fit() takes exactly one training dataloader (got {len(train_loaders)})"
             )
         val_loaders = resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
-        with self._run("fit", task, state):
+        self._total_batch_idx = 0  # a checkpoint, if given, restores it
+        with self._run("fit", task, state, ckpt_path):
             self._fit(task, train_loaders[0], val_loaders, datamodule)
         assert self._state is not None
         return self._state
@@ -469,7 +567,6 @@ class Trainer:
         self._emit(Event.ON_TRAIN_START)
         reducer = MetricReducer(task.reduce)
         track = not self.barebones  # barebones: no metric bookkeeping at all
-        total_batch_idx = 0
         last_reload = None
         while not self._fit_done():
             epoch = self.current_epoch
@@ -513,13 +610,13 @@ class Trainer:
                     Event.ON_TRAIN_BATCH_END, outputs=metrics, batch=batch, batch_idx=batch_idx
                 )
                 if validate_this_epoch and self._should_validate(
-                    batch_idx, total_batch_idx, is_last
+                    batch_idx, self._total_batch_idx, is_last
                 ):
                     val_loaders = self._reload_val_loaders(val_loaders, dm)
                     self._evaluate(
                         "validation", evaluate, val_loaders, self.num_val_batches, log=True
                     )
-                total_batch_idx += 1
+                self._total_batch_idx += 1
                 if self._epoch_done():
                     break
             if track:
@@ -698,7 +795,6 @@ class Trainer:
         ckpt_path: str | None,
         verbose: bool,
     ) -> list[dict[str, float]]:
-        _refuse_ckpt(ckpt_path)
         method = "val_dataloader" if kind == "validation" else "test_dataloader"
         loaders = resolve_loaders(stage, dataloaders, datamodule, method)
         if not loaders:
@@ -717,7 +813,7 @@ class Trainer:
                 inference_mode=self.inference_mode, compile=self.compile
             ),
         )
-        with self._run(stage, task, state):
+        with self._run(stage, task, state, ckpt_path):
             results = self._evaluate(kind, step, loaders, limits, log=True)
         if verbose and not self.barebones:
             _print_results(stage, results)
@@ -733,7 +829,6 @@ class Trainer:
         ckpt_path: str | None = None,
     ) -> list[Any] | None:
         """Run prediction; returns the outputs (a list per dataloader when there are several)."""
-        _refuse_ckpt(ckpt_path)
         loaders = resolve_loaders("predict", dataloaders, datamodule, "predict_dataloader")
         if not loaders:
             raise ValueError(
@@ -750,7 +845,7 @@ class Trainer:
         )
         keep = return_predictions is not False
         outputs: list[list[Any]] = []
-        with self._run("predict", task, state):
+        with self._run("predict", task, state, ckpt_path):
             self._emit(Event.ON_PREDICT_START)
             self._emit(Event.ON_PREDICT_EPOCH_START)
             for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
@@ -762,7 +857,7 @@ class Trainer:
                         batch_idx=batch_idx,
                         dataloader_idx=dl_idx,
                     )
-                    out = step(state, batch)
+                    out = step(self._state, batch)
                     if keep:
                         outs.append(out)
                     self._emit(
@@ -850,12 +945,11 @@ def _is(obj: Any, cls_name: str) -> bool:
     return any(c.__name__ == cls_name for c in type(obj).__mro__)
 
 
-def _refuse_ckpt(ckpt_path: Any) -> None:
-    if ckpt_path is not None:
-        raise NotImplementedError(
-            f"ckpt_path={ckpt_path!r}: resuming from checkpoints arrives with the checkpoint "
-            "work; until then pass the TrainState to continue from"
-        )
+def _step_of(path: Path) -> int:
+    try:
+        return int(checkpoint.read_meta(path).get("step", -1))
+    except checkpoint.CheckpointError:
+        return -1
 
 
 def _print_results(stage: str, results: list[dict[str, float]]) -> None:

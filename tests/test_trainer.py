@@ -926,10 +926,12 @@ def test_profiler_simple_writes_a_report_under_default_root_dir(tmp_path, capsys
 
 
 @pytest.mark.parametrize("call", ["fit", "validate", "test", "predict"])
-def test_ckpt_path_is_refused_naming_the_value(call):
+def test_a_ckpt_path_that_is_not_a_checkpoint_is_named(call, tmp_path):
+    from engine.checkpoint import CheckpointError
+
     task, trainer = _task(), _trainer()
-    with pytest.raises(NotImplementedError, match="ckpt_path='x'"):
-        getattr(trainer, call)(task, task.init(_linear()), _batches(2), ckpt_path="x")
+    with pytest.raises(CheckpointError, match=r"nope is not a checkpoint: meta\.json is missing"):
+        getattr(trainer, call)(task, task.init(_linear()), _batches(2), ckpt_path=tmp_path / "nope")
 
 
 def test_fit_refuses_a_task_or_state_of_the_wrong_type():

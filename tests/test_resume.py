@@ -1,0 +1,123 @@
+"""Resume through the Trainer: a checkpoint determines the rest of the run, bitwise, also when
+the run continues in a fresh process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import engine as eg
+from engine import checkpoint, optim
+
+
+def _task() -> eg.Task:
+    tx = optim.adamw(optim.warmup_cosine(1e-2, warmup_steps=3, total_steps=40))
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    return eg.Task(loss_fn, tx)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+
+
+def _data(n: int = 10) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)
+    ]
+
+
+def _trainer(**kw) -> eg.Trainer:
+    kw = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False} | kw
+    return eg.Trainer(**kw)
+
+
+class _SaveAt(eg.Listener):
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, rec):
+        if rec.trainer.global_step == self.step:
+            rec.trainer.save_checkpoint(self.path)
+
+
+def test_resume_mid_epoch_inside_an_accumulation_window_is_bitwise(tmp_path):
+    task, data = _task(), _data()
+    kw = {"max_epochs": 3, "accumulate_grad_batches": 3}
+    full = _trainer(**kw).fit(task, task.init(_model(), seed=5), data, data[:2])
+
+    # _SaveAt(5) saves after every batch while global_step == 5: the last save is two
+    # micro-batches into the next accumulation window, mid-epoch 1
+    ckpt = tmp_path / "mid"
+    _trainer(**kw, callbacks=[_SaveAt(5, ckpt)], max_steps=6).fit(
+        task, task.init(_model(), seed=5), data, data[:2]
+    )
+    meta = checkpoint.read_meta(ckpt)
+    assert (meta["step"], meta["epoch"], meta["micro_step"]) == (5, 1, 2)
+    assert meta["has_grad_accum"]
+    resumed = _trainer(**kw).fit(task, task.init(_model(), seed=99), data, data[:2], ckpt_path=ckpt)
+    assert resumed.fingerprint() == full.fingerprint()
+
+
+def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    here = str(Path(__file__).parent)
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {here!r})
+        from test_resume import _task, _model, _data, _trainer, _SaveAt
+        task = _task()
+        _trainer(max_steps=7, callbacks=[_SaveAt(7, {str(ckpt)!r})]).fit(
+            task, task.init(_model(), seed=5), _data(), _data()[:2])
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True)
+    task = _task()
+    full = _trainer(max_epochs=2).fit(task, task.init(_model(), seed=5), _data(), _data()[:2])
+    resumed = _trainer(max_epochs=2).fit(
+        task, task.init(_model(), seed=0), _data(), _data()[:2], ckpt_path=ckpt
+    )
+    assert resumed.step == full.step == 20
+    assert resumed.fingerprint() == full.fingerprint()
+
+
+def test_listener_state_travels_in_the_checkpoint(tmp_path):
+    task, data = _task(), _data()
+    stopper = eg.EarlyStopping("val/loss", patience=50)
+    _trainer(max_epochs=2, callbacks=[stopper]).fit(task, task.init(_model()), data, data[:2])
+    path = tmp_path / "c"
+    trainer = _trainer(max_epochs=2, callbacks=[stopper])
+    trainer.fit(task, task.init(_model()), data, data[:2])
+    trainer.save_checkpoint(path)
+    fresh = eg.EarlyStopping("val/loss", patience=50)
+    _trainer(max_epochs=2, callbacks=[fresh]).validate(
+        task, task.init(_model()), data[:2], ckpt_path=path, verbose=False
+    )
+    assert fresh.state_dict() == stopper.state_dict()
+
+
+def test_ckpt_path_last_skips_a_damaged_newest_checkpoint_with_a_warning(tmp_path):
+    import pytest
+
+    task, data = _task(), _data()
+    root = tmp_path / "checkpoints"
+    trainer = _trainer(
+        max_steps=4,
+        default_root_dir=tmp_path,
+        callbacks=[_SaveAt(2, root / "a"), _SaveAt(4, root / "b")],
+    )
+    trainer.fit(task, task.init(_model(), seed=5), data)
+    (root / "b" / "tensors.pt").write_bytes(b"broken")
+    t = _trainer(max_steps=4, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="fails verification"):
+        state = t.fit(task, task.init(_model()), data, ckpt_path="last")
+    assert state.step == 4
