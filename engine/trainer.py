@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -250,6 +253,7 @@ class Trainer:
         self.progress_bar_metrics: dict[str, float] = {}
         self.profile: dict[str, list[float]] = {}
         self._total_batch_idx = 0  # training batches across epochs (val_check_interval's count)
+        self._signal: int | None = None  # SIGTERM / SIGINT received during fit
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -366,6 +370,8 @@ class Trainer:
         self.should_stop = False
         self._emitter = Emitter(self.callbacks)
         stack = contextlib.ExitStack()
+        if stage == "fit":
+            stack.enter_context(self._catch_signals())
         if self.detect_anomaly:
             stack.enter_context(torch.autograd.detect_anomaly())
         if self.deterministic is not None:
@@ -487,6 +493,43 @@ class Trainer:
                 listener.load_state_dict(saved[key])
         self._total_batch_idx = meta.get("extra", {}).get("trainer", {}).get("total_batch_idx", 0)
         self._emit(Event.ON_LOAD_CHECKPOINT)
+
+    @contextlib.contextmanager
+    def _catch_signals(self) -> Iterator[None]:
+        """During fit, SIGTERM and SIGINT only raise a flag: the current step finishes, then
+        the loop saves a checkpoint and exits (see ``_stop_for_signal``)."""
+        self._signal = None
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be installed from the main thread
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            self._signal = signum
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def _stop_for_signal(self) -> None:
+        assert self._signal is not None and self._state is not None
+        name = signal.Signals(self._signal).name
+        path = self.save_checkpoint(
+            Path(self.default_root_dir) / "checkpoints" / f"interrupted-step={self.global_step}"
+        )
+        message = (
+            f"{name} received: finished step {self.global_step} (epoch {self.current_epoch}, "
+            f"batch {self._state.batch_idx}), saved a checkpoint to {path}; resume exactly with "
+            f"Trainer.fit(..., ckpt_path={str(path)!r}) or ckpt_path='last'"
+        )
+        print(message, file=sys.stderr)
+        if self._signal == signal.SIGINT:
+            raise KeyboardInterrupt(message)
+        raise SystemExit(message)
 
     # ------------------------------------------------------------------ fit
 
@@ -617,6 +660,8 @@ class Trainer:
                         "validation", evaluate, val_loaders, self.num_val_batches, log=True
                     )
                 self._total_batch_idx += 1
+                if self._signal is not None:
+                    self._stop_for_signal()
                 if self._epoch_done():
                     break
             if track:

@@ -121,3 +121,33 @@ def test_ckpt_path_last_skips_a_damaged_newest_checkpoint_with_a_warning(tmp_pat
     with pytest.warns(UserWarning, match="fails verification"):
         state = t.fit(task, task.init(_model()), data, ckpt_path="last")
     assert state.step == 4
+
+
+def test_sigterm_finishes_the_step_saves_and_the_resume_is_exact(tmp_path):
+    here = str(Path(__file__).parent)
+    script = textwrap.dedent(f"""
+        import os, signal, sys; sys.path.insert(0, {here!r})
+        import engine as eg
+        from test_resume import _task, _model, _data, _trainer
+
+        class Kill(eg.Listener):
+            def on_train_batch_start(self, rec):
+                if rec.trainer.global_step == 13:
+                    os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-step
+
+        task = _task()
+        _trainer(max_epochs=2, default_root_dir={str(tmp_path)!r}, callbacks=[Kill()]).fit(
+            task, task.init(_model(), seed=5), _data(), _data()[:2])
+        print("not reached")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 1 and "not reached" not in done.stdout
+    assert "SIGTERM received: finished step 14" in done.stderr
+    saved = tmp_path / "checkpoints" / "interrupted-step=14"
+    assert checkpoint.read_meta(saved)["step"] == 14
+    task = _task()
+    full = _trainer(max_epochs=2).fit(task, task.init(_model(), seed=5), _data(), _data()[:2])
+    resumed = _trainer(max_epochs=2, default_root_dir=tmp_path).fit(
+        task, task.init(_model()), _data(), _data()[:2], ckpt_path="last"
+    )
+    assert resumed.fingerprint() == full.fingerprint()
