@@ -6,7 +6,7 @@ and hook names, whose listeners (:mod:`engine.listeners`) and loggers (:mod:`eng
 react to events but cannot change the state.
 """
 
-from engine import checkpoint, listeners, loggers, optim, rng
+from engine import checkpoint, data, listeners, loggers, optim, rng
 from engine.events import Event, EventRecord, Listener, Stop, on
 from engine.listeners import EarlyStopping, LearningRateMonitor, ModelSummary, ProgressBar, Timer
 from engine.loggers import CSVLogger, TensorBoardLogger
@@ -48,6 +48,7 @@ __all__ = [
     "TrainStep",
     "__version__",
     "checkpoint",
+    "data",
     "eval_step",
     "listeners",
     "loggers",

@@ -8,10 +8,20 @@ factory); a *datamodule* is any object with ``train_dataloader()`` / ``val_datal
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
-__all__ = ["count_batches", "limit_batches", "lookahead", "resolve_loaders"]
+import torch
+from torch.utils.data import Sampler
+
+__all__ = [
+    "ShuffleSampler",
+    "count_batches",
+    "limit_batches",
+    "lookahead",
+    "position_loader",
+    "resolve_loaders",
+]
 
 INF = math.inf
 
@@ -144,3 +154,74 @@ def batch_size(batch: Any) -> int:
         elif isinstance(x, Sequence) and not isinstance(x, str):
             stack.extend(x)
     return 1
+
+
+class ShuffleSampler(Sampler[int]):
+    """A sampler whose order in epoch ``e`` is a pure function of ``(seed, e)``.
+
+    The Trainer calls :meth:`set_epoch` before each epoch and, when it resumes mid-epoch,
+    :meth:`set_start` so the skipped samples are never loaded. Use it with a map-style dataset:
+    ``DataLoader(ds, batch_size=32, sampler=ShuffleSampler(ds, seed=0))``.
+
+    Example:
+        >>> s = ShuffleSampler(range(6), seed=1)
+        >>> s.set_epoch(0); first = list(s)
+        >>> s.set_epoch(0); s.set_start(4); list(s) == first[4:]
+        True
+        >>> s.set_epoch(1); list(s) != first
+        True
+    """
+
+    def __init__(self, data_source: Sized | int, *, seed: int = 0, shuffle: bool = True) -> None:
+        self.n = data_source if isinstance(data_source, int) else len(data_source)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's order and start at its beginning."""
+        self.epoch = epoch
+        self.start = 0
+
+    def set_start(self, index: int) -> None:
+        """Start the current epoch at sample ``index`` (the samples before it are skipped)."""
+        if not 0 <= index <= self.n:
+            raise ValueError(f"start index must lie in [0, {self.n}] (got {index})")
+        self.start = index
+
+    def order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        from engine.rng import derive_seed
+
+        g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, 0, stream=3))
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order()[self.start :])
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:
+    """Point ``loader`` at ``epoch`` and skip its first ``skip_batches`` batches if it can do so
+    without loading them; returns whether it did the skipping.
+
+    A ``DataLoader`` whose sampler has ``set_epoch`` (:class:`ShuffleSampler`,
+    ``DistributedSampler``) gets the epoch; one with :class:`ShuffleSampler` also skips.
+    """
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if sampler is None and batch_sampler is not None:
+        sampler = getattr(batch_sampler, "sampler", None)
+    set_epoch = getattr(sampler, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+    if skip_batches and isinstance(sampler, ShuffleSampler):
+        size = getattr(batch_sampler, "batch_size", None) or getattr(loader, "batch_size", None)
+        if size:
+            sampler.set_start(skip_batches * size)
+            return True
+    return skip_batches == 0

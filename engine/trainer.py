@@ -27,7 +27,14 @@ import torch
 
 from engine import _config as cfg
 from engine import checkpoint
-from engine.data import batch_size, count_batches, limit_batches, lookahead, resolve_loaders
+from engine.data import (
+    batch_size,
+    count_batches,
+    limit_batches,
+    lookahead,
+    position_loader,
+    resolve_loaders,
+)
 from engine.events import Emitter, Event, EventRecord, Stop
 from engine.metrics import MetricReducer
 from engine.optim import clip_by_global_norm, clip_by_value
@@ -636,8 +643,19 @@ class Trainer:
             )
             self._emit(Event.ON_TRAIN_EPOCH_START)
             assert self._state is not None
-            skip = self._state.batch_idx  # a state handed over mid-epoch resumes there
-            for batch_idx, batch, is_last in lookahead(train_loader, self.num_training_batches):
+            # a state saved mid-epoch resumes there: the sampler skips the consumed batches
+            # without loading them when it can, else they are fetched and dropped
+            skip = self._state.batch_idx
+            offset = skip if position_loader(train_loader, epoch, skip) else 0
+            if skip and not offset:
+                warnings.warn(
+                    f"resuming mid-epoch by loading and dropping {skip} batches; give the "
+                    "DataLoader an engine.data.ShuffleSampler (map-style datasets) to skip them "
+                    "without loading",
+                    stacklevel=3,
+                )
+            for i, batch, is_last in lookahead(train_loader, self.num_training_batches - offset):
+                batch_idx = i + offset
                 if batch_idx < skip:
                     continue
                 self._emit(Event.ON_TRAIN_BATCH_START, batch=batch, batch_idx=batch_idx)

@@ -151,3 +151,63 @@ def test_sigterm_finishes_the_step_saves_and_the_resume_is_exact(tmp_path):
         task, task.init(_model()), _data(), _data()[:2], ckpt_path="last"
     )
     assert resumed.fingerprint() == full.fingerprint()
+
+
+class _Counted(torch.utils.data.Dataset):
+    """A map-style dataset that counts what it loads."""
+
+    def __init__(self, n: int = 40) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.x, self.y = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+        self.loaded = 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.loaded += 1
+        return self.x[i], self.y[i]
+
+
+def _shuffled(ds: _Counted) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(ds, batch_size=4, sampler=eg.data.ShuffleSampler(ds, seed=7))
+
+
+def test_shuffled_data_resumes_mid_epoch_bitwise_without_loading_the_skipped_batches(tmp_path):
+    task = _task()
+    full = _trainer(max_epochs=3).fit(task, task.init(_model(), seed=5), _shuffled(_Counted()))
+    ckpt = tmp_path / "c"
+    _trainer(max_epochs=3, max_steps=13, callbacks=[_SaveAt(13, ckpt)]).fit(
+        task, task.init(_model(), seed=5), _shuffled(_Counted())
+    )
+    assert checkpoint.read_meta(ckpt)["batch_idx"] == 3  # epoch 1, 3 of 10 batches done
+    ds = _Counted()
+    resumed = _trainer(max_epochs=3).fit(task, task.init(_model()), _shuffled(ds), ckpt_path=ckpt)
+    assert resumed.fingerprint() == full.fingerprint()
+    assert ds.loaded == 40 - 12 + 40  # the rest of epoch 1, then epoch 2: nothing skipped is read
+
+
+def test_the_epoch_order_is_a_function_of_seed_and_epoch_only():
+    a, b = eg.data.ShuffleSampler(50, seed=3), eg.data.ShuffleSampler(50, seed=3)
+    orders = []
+    for epoch in (0, 1, 0):
+        a.set_epoch(epoch)
+        b.set_epoch(epoch)
+        assert list(a) == list(b)
+        orders.append(list(a))
+    assert orders[0] == orders[2] != orders[1]
+    assert sorted(orders[1]) == list(range(50))
+
+
+def test_a_loader_that_cannot_skip_is_fast_forwarded_with_a_warning(tmp_path):
+    import pytest
+
+    task, data = _task(), _data()
+    full = _trainer(max_epochs=2).fit(task, task.init(_model(), seed=5), data)
+    ckpt = tmp_path / "c"
+    _trainer(max_epochs=2, max_steps=13, callbacks=[_SaveAt(13, ckpt)]).fit(
+        task, task.init(_model(), seed=5), data
+    )
+    with pytest.warns(UserWarning, match="loading and dropping 3 batches"):
+        resumed = _trainer(max_epochs=2).fit(task, task.init(_model()), data, ckpt_path=ckpt)
+    assert resumed.fingerprint() == full.fingerprint()
