@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -81,6 +82,26 @@ class MetricReducer:
             k: v / self.weights[k] if k in self.weights else v
             for k, v in zip(keys, host, strict=True)
         }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running totals and the unfolded buffer as plain floats (exact for float32), so
+        a resumed epoch folds at the same places and reduces to the same bits."""
+        return {
+            "values": {k: float(v) for k, v in self.values.items()},
+            "weights": dict(self.weights),
+            "pending": [
+                [{k: float(t.detach().float().mean()) for k, t in m.items()}, n]
+                for m, n in self.pending
+            ],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.values = {k: torch.tensor(v, dtype=torch.float32) for k, v in state["values"].items()}
+        self.weights = {k: int(v) for k, v in state["weights"].items()}
+        self.pending = [
+            ({k: torch.tensor(v, dtype=torch.float32) for k, v in m.items()}, int(n))
+            for m, n in state["pending"]
+        ]
 
     def reset(self) -> None:
         self.pending.clear()

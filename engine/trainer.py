@@ -261,6 +261,8 @@ class Trainer:
         self.profile: dict[str, list[float]] = {}
         self._total_batch_idx = 0  # training batches across epochs (val_check_interval's count)
         self._signal: int | None = None  # SIGTERM / SIGINT received during fit
+        self._reducer: MetricReducer | None = None  # the current epoch's training metrics
+        self._restored_reducer: MetricReducer | None = None
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -445,6 +447,8 @@ class Trainer:
         extra = {
             "listeners": listeners,
             "trainer": {"total_batch_idx": self._total_batch_idx, "stage": self.stage},
+            # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
+            "train_metrics": self._reducer.state_dict() if self._reducer is not None else None,
         }
         return checkpoint.save(
             self._state,
@@ -498,7 +502,11 @@ class Trainer:
         for key, listener in self._keyed_listeners():
             if key in saved and callable(getattr(listener, "load_state_dict", None)):
                 listener.load_state_dict(saved[key])
-        self._total_batch_idx = meta.get("extra", {}).get("trainer", {}).get("total_batch_idx", 0)
+        extra = meta.get("extra", {})
+        self._total_batch_idx = extra.get("trainer", {}).get("total_batch_idx", 0)
+        if extra.get("train_metrics") and self.task is not None:
+            self._restored_reducer = MetricReducer(self.task.reduce)
+            self._restored_reducer.load_state_dict(extra["train_metrics"])
         self._emit(Event.ON_LOAD_CHECKPOINT)
 
     @contextlib.contextmanager
@@ -615,7 +623,8 @@ class Trainer:
             self._val_loaded_at = self.current_epoch
 
         self._emit(Event.ON_TRAIN_START)
-        reducer = MetricReducer(task.reduce)
+        reducer = self._reducer = self._restored_reducer or MetricReducer(task.reduce)
+        self._restored_reducer = None
         track = not self.barebones  # barebones: no metric bookkeeping at all
         last_reload = None
         while not self._fit_done():

@@ -211,3 +211,39 @@ def test_a_loader_that_cannot_skip_is_fast_forwarded_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="loading and dropping 3 batches"):
         resumed = _trainer(max_epochs=2).fit(task, task.init(_model()), data, ckpt_path=ckpt)
     assert resumed.fingerprint() == full.fingerprint()
+
+
+class _Log:
+    """A logger that keeps every logged row."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics, step):
+        self.rows.append((step, dict(metrics)))
+
+    def finalize(self, status):
+        pass
+
+
+def test_logged_metrics_after_a_mid_epoch_resume_are_bitwise_identical(tmp_path):
+    task, data = _task(), _data()
+    kw = {
+        "max_epochs": 3,
+        "log_every_n_steps": 2,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    full_log = _Log()
+    eg.Trainer(logger=full_log, **kw).fit(task, task.init(_model(), seed=5), data, data[:3])
+    ckpt = tmp_path / "c"
+    eg.Trainer(logger=False, max_steps=14, callbacks=[_SaveAt(14, ckpt)], **kw).fit(
+        task, task.init(_model(), seed=5), data, data[:3]
+    )
+    resumed_log = _Log()
+    eg.Trainer(logger=resumed_log, **kw).fit(
+        task, task.init(_model()), data, data[:3], ckpt_path=ckpt
+    )
+    after = [r for r in full_log.rows if r[0] > 14]
+    assert any("train/loss_epoch" in m for _, m in after)  # the resumed epoch's mean is in
+    assert resumed_log.rows == after
