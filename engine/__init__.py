@@ -8,7 +8,14 @@ react to events but cannot change the state.
 
 from engine import checkpoint, data, listeners, loggers, optim, rng
 from engine.events import Event, EventRecord, Listener, Stop, on
-from engine.listeners import EarlyStopping, LearningRateMonitor, ModelSummary, ProgressBar, Timer
+from engine.listeners import (
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    Timer,
+)
 from engine.loggers import CSVLogger, TensorBoardLogger
 from engine.state import ConsumedStateError, TrainState
 from engine.step import (
@@ -30,6 +37,7 @@ __all__ = [
     "ConsumedStateError",
     "EarlyStopping",
     "LearningRateMonitor",
+    "ModelCheckpoint",
     "ModelSummary",
     "ProgressBar",
     "TensorBoardLogger",

@@ -10,6 +10,7 @@ Those with state worth checkpointing (``EarlyStopping``, ``Timer``) implement ``
 :class:`ProgressBar`      tqdm bars for the training, validation, test and predict loops
 :class:`ModelSummary`     a table of layers and parameter counts when fitting starts
 :class:`EarlyStopping`    stop when a monitored metric stops improving
+:class:`ModelCheckpoint`  save checkpoints while fitting; keep the best k by a metric
 :class:`LearningRateMonitor`  log the learning rate (metric ``"lr"``) with the loggers
 :class:`Timer`            time each loop; stop when a time budget is spent
 ========================  ======================================================
@@ -20,6 +21,7 @@ Example:
     ...              Timer(duration="00:01:00:00")]
 """
 
+from engine.listeners.checkpoint import ModelCheckpoint
 from engine.listeners.early_stopping import EarlyStopping, EarlyStoppingReason
 from engine.listeners.lr_monitor import LearningRateMonitor
 from engine.listeners.progress import ProgressBar
@@ -30,6 +32,7 @@ __all__ = [
     "EarlyStopping",
     "EarlyStoppingReason",
     "LearningRateMonitor",
+    "ModelCheckpoint",
     "ModelSummary",
     "ProgressBar",
     "Timer",

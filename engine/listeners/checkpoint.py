@@ -1,0 +1,551 @@
+"""``ModelCheckpoint``: save checkpoints while fitting and keep the best ``k`` of them.
+
+Lightning 2.x's ``ModelCheckpoint`` semantics, as a listener that saves through
+``trainer.save_checkpoint(path)`` (an engine checkpoint directory, see :mod:`engine.checkpoint`):
+
+* **Where.** ``dirpath``, else ``<trainer.log_dir>/checkpoints`` (the first logger's directory,
+  else ``default_root_dir``), resolved at ``setup``. Checkpoints are directories named after
+  ``filename`` with no suffix (``FILE_EXTENSION = ""``): ``<dirpath>/epoch=0-step=4/``.
+* **Names.** ``filename`` is a template: ``"{epoch}-{step}"`` (the default) renders
+  ``"epoch=0-step=4"``, ``"{epoch}-{val/loss:.2f}"`` renders ``"epoch=0-val_loss=0.12"``. Each
+  field becomes ``name=value`` unless ``auto_insert_metric_name=False``; a metric missing from
+  the metrics renders as 0. Unlike Lightning, a rendered name never contains a path separator:
+  ``/`` (a metric's namespace) becomes ``_``, so every checkpoint sits directly in ``dirpath``
+  (where ``fit(ckpt_path="last")`` looks). A name already on disk gets ``-v1``, ``-v2``, ...
+  (``enable_version_counter``).
+* **When.** After ``every_n_train_steps`` optimizer steps, or ``train_time_interval`` of
+  training time (checked after each training batch); otherwise every ``every_n_epochs`` epochs
+  (default 1) at the end of the training epoch or after validation. ``save_on_train_epoch_end``
+  picks which; ``None`` decides with Lightning's rule: at the end of the training epoch when
+  ``check_val_every_n_epoch == 1`` and validation runs either not at all or at the end of the
+  epoch only (``val_check_interval == 1``), after validation otherwise. Never outside ``fit``,
+  during the sanity check, under ``fast_dev_run``, or twice at the same ``global_step``. A
+  step- or time-triggered save whose monitored metric is not logged yet, or that would read a
+  stale one because validation follows the epoch's last batch, waits for the next validation.
+* **Which to keep.** With ``monitor``, the ``save_top_k`` best by that metric (``mode``
+  ``"min"`` or ``"max"``; NaN counts as the worst); the one that falls out is deleted.
+  ``save_top_k=-1`` keeps all, ``0`` saves none. Without ``monitor``, ``save_top_k=1`` keeps
+  the latest and ``-1`` all. A monitored metric that is missing raises once a validation has
+  run in this fit (the metric should exist then); before that it warns and skips, as Lightning.
+* **last.** ``save_last=True`` also saves ``<dirpath>/last`` whenever a checkpoint is saved (a
+  second save, not a copy), and once at the end of training if nothing was saved.
+  ``save_last="link"`` is treated like ``True``: no symbolic links, which would dangle when a
+  top-k checkpoint is deleted.
+* **Resume.** ``state_dict`` holds the top-k bookkeeping; the Trainer stores it in every
+  checkpoint under :attr:`ModelCheckpoint.state_key` and restores it on
+  ``fit(ckpt_path=...)``, so a resumed run keeps ranking against the same ``k`` checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from engine.events import EventRecord, Listener
+from engine.listeners.progress import write_message
+
+__all__ = ["ModelCheckpoint"]
+
+# a template field: "{name}" or "{name:spec}"; the name runs to the first ":" or "}"
+_FIELD = re.compile(r"\{([^{}:]*)(?::([^{}]*))?\}")
+_BETTER = {"min": operator.lt, "max": operator.gt}
+
+
+class ModelCheckpoint(Listener):
+    """Save checkpoints during ``fit``; keep the ``save_top_k`` best by ``monitor``.
+
+    Args:
+        dirpath: the directory for the checkpoints; default ``<trainer.log_dir>/checkpoints``.
+        filename: the name template (see the module); default ``"{epoch}-{step}"``.
+        monitor: the metric to rank by, a key of ``trainer.callback_metrics`` (``"val/loss"``);
+            ``None`` ranks by recency.
+        verbose: print what is saved and why.
+        save_last: also keep ``<dirpath>/last``, the latest state (``"link"`` = ``True``).
+        save_top_k: how many to keep: ``k >= 1``, ``-1`` (all) or ``0`` (none; ``save_last``
+            still works). Without ``monitor`` only ``-1``, ``0`` and ``1`` make sense.
+        mode: ``"min"`` (lower is better) or ``"max"``.
+        auto_insert_metric_name: render ``{name}`` as ``name=value`` (else only the value).
+        every_n_train_steps: save after every n optimizer steps (0 or ``None``: not by steps).
+        train_time_interval: save when this much time has passed since the last check.
+        every_n_epochs: save every n epochs (0: not by epochs); the default when no other
+            trigger is given is 1. The three triggers are mutually exclusive.
+        save_on_train_epoch_end: epoch-wise saves at the end of the training epoch (``True``) or
+            after validation (``False``); ``None`` decides at each save (see the module).
+        enable_version_counter: add ``-v1``, ``-v2``, ... to a name that exists, rather than
+            overwriting it.
+
+    Attributes:
+        best_model_path: the best checkpoint so far (the latest, without ``monitor``).
+        best_model_score: its ``monitor`` value (``None`` before the first or without monitor).
+        best_k_models: ``{path: score}`` of the kept checkpoints.
+        kth_best_model_path, kth_value: the worst of the kept ones once ``k`` are kept (the
+            one to beat); ``kth_value`` starts at ``inf`` (``-inf`` for ``"max"``).
+        current_score: the score of the latest top-k save.
+        last_model_path: the latest ``last`` checkpoint.
+
+    Raises:
+        ValueError: for a bad ``mode``, ``save_last``, ``save_top_k``, negative or combined
+            triggers, or ``save_top_k > 1`` without ``monitor``.
+
+    Example:
+        >>> from engine.listeners import ModelCheckpoint
+        >>> mc = ModelCheckpoint(dirpath="/ckpts", filename="{epoch}-{val/loss:.2f}",
+        ...                      monitor="val/loss", save_top_k=3, save_last=True)
+        >>> mc.format_checkpoint_name({"epoch": 4, "step": 40, "val/loss": 0.12345})
+        '/ckpts/epoch=4-val_loss=0.12'
+        >>> mc.format_checkpoint_name({"epoch": 4, "step": 40}, ver=1)
+        '/ckpts/epoch=4-val_loss=0.00-v1'
+        >>> mc.state_key
+        "ModelCheckpoint{'monitor': 'val/loss', 'mode': 'min', 'every_n_train_steps': 0, \
+'every_n_epochs': 1, 'train_time_interval': None}"
+    """
+
+    CHECKPOINT_JOIN_CHAR = "-"
+    CHECKPOINT_EQUALS_CHAR = "="
+    CHECKPOINT_NAME_LAST = "last"
+    FILE_EXTENSION = ""  # checkpoints are directories
+    STARTING_VERSION = 1
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        *,
+        verbose: bool = False,
+        save_last: bool | str | None = None,
+        save_top_k: int = 1,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+    ) -> None:
+        if mode not in _BETTER:
+            raise ValueError(f"mode must be 'min' or 'max' (got {mode!r})")
+        if save_last not in (None, True, False, "link"):
+            raise ValueError(f"save_last must be None, True, False or 'link' (got {save_last!r})")
+        if monitor is not None and (not isinstance(monitor, str) or not monitor):
+            raise TypeError(f"monitor must be a metric name such as 'val/loss' (got {monitor!r})")
+        if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
+            raise TypeError(
+                f"train_time_interval must be a datetime.timedelta or None (got "
+                f"{train_time_interval!r})"
+            )
+        _check_count("save_top_k", save_top_k, minimum=-1)
+        _check_count("every_n_train_steps", every_n_train_steps or 0, minimum=0)
+        _check_count("every_n_epochs", every_n_epochs or 0, minimum=0)
+        if every_n_train_steps is None and every_n_epochs is None and train_time_interval is None:
+            every_n_epochs = 1  # the default trigger: once per epoch
+        self._every_n_train_steps = every_n_train_steps or 0
+        self._every_n_epochs = every_n_epochs or 0
+        self._train_time_interval = train_time_interval
+        triggers = {
+            "every_n_train_steps": self._every_n_train_steps >= 1,
+            "every_n_epochs": self._every_n_epochs >= 1,
+            "train_time_interval": train_time_interval is not None,
+        }
+        if sum(triggers.values()) > 1:
+            raise ValueError(
+                f"ModelCheckpoint: {' and '.join(k for k, on in triggers.items() if on)} are "
+                "mutually exclusive; pass one, or use one ModelCheckpoint per trigger"
+            )
+        if monitor is None and save_top_k not in (-1, 0, 1):
+            raise ValueError(
+                f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None): without a monitor "
+                "there is nothing to rank by; pass monitor=... or save_top_k in (-1, 0, 1)"
+            )
+        self.dirpath: str | None = _real(dirpath) if dirpath is not None else None
+        self.filename = filename
+        self.monitor = monitor
+        self.verbose = verbose
+        self.save_last = save_last
+        self.save_top_k = save_top_k
+        self.mode = mode
+        self.auto_insert_metric_name = auto_insert_metric_name
+        self._save_on_train_epoch_end = save_on_train_epoch_end
+        self._enable_version_counter = enable_version_counter
+
+        self.best_model_path = ""
+        self.best_model_score: float | None = None
+        self.best_k_models: dict[str, float] = {}
+        self.kth_best_model_path = ""
+        self.kth_value = math.inf if mode == "min" else -math.inf
+        self.current_score: float | None = None
+        self.last_model_path = ""
+        self._last_global_step_saved = 0  # nothing to save before the first step
+        self._last_checkpoint_saved = ""
+        self._last_time_checked: float | None = None
+        self._defer_until_validation = False
+        self._validated = False  # a validation has run in this fit: a missing monitor is an error
+        self._warned_missing = False
+
+    @property
+    def state_key(self) -> str:
+        """A checkpoint key telling several ModelCheckpoints apart (Lightning's format)."""
+        key = {
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "every_n_train_steps": self._every_n_train_steps,
+            "every_n_epochs": self._every_n_epochs,
+            "train_time_interval": self._train_time_interval,
+        }
+        return f"{type(self).__qualname__}{key!r}"
+
+    @property
+    def every_n_epochs(self) -> int:
+        return self._every_n_epochs
+
+    # ------------------------------------------------------------------ events
+
+    def setup(self, rec: EventRecord) -> None:
+        """Resolve ``dirpath`` (before a checkpoint's state is restored)."""
+        if self.dirpath is None:
+            root = rec.trainer.log_dir or rec.trainer.default_root_dir
+            self.dirpath = os.path.join(root, "checkpoints")
+        if rec.stage == "fit" and self.save_top_k != 0 and _non_empty_dir(self.dirpath):
+            warnings.warn(
+                f"ModelCheckpoint: the checkpoint directory {self.dirpath} exists and is not "
+                "empty; checkpoints of another run may be overwritten or outrank this run's",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def on_fit_start(self, rec: EventRecord) -> None:
+        self._validated = False
+        self._defer_until_validation = False
+
+    def on_train_start(self, rec: EventRecord) -> None:
+        self._last_time_checked = time.monotonic()
+
+    def on_train_batch_end(self, rec: EventRecord) -> None:
+        """Save by ``every_n_train_steps`` / ``train_time_interval``."""
+        trainer = rec.trainer
+        by_steps = self._every_n_train_steps >= 1 and (
+            trainer.global_step % self._every_n_train_steps == 0
+        )
+        by_time = False
+        now = time.monotonic()
+        if self._train_time_interval is not None and self._last_time_checked is not None:
+            by_time = now - self._last_time_checked >= self._train_time_interval.total_seconds()
+        if not (by_steps or by_time):
+            return
+        if by_time:
+            self._last_time_checked = now
+        candidates = self._candidates(rec)
+        if self.monitor is not None and (
+            self.monitor not in candidates or self._validation_follows(rec)
+        ):
+            # the metric is missing, or stale because validation runs right after this batch:
+            # save after the validation instead
+            self._defer_until_validation = True
+            return
+        if self._skip(rec):
+            return
+        self._save_topk(rec, candidates)
+        self._save_last(rec, candidates)
+
+    def on_validation_end(self, rec: EventRecord) -> None:
+        """Save after validation unless saves happen at the end of the training epoch."""
+        if rec.stage == "fit" and not rec.trainer.sanity_checking:
+            self._validated = True
+        if self._skip(rec) or self._on_train_epoch_end(rec.trainer):
+            return
+        candidates = self._candidates(rec)
+        if self._defer_until_validation:
+            self._defer_until_validation = False
+            self._save_topk(rec, candidates)
+            self._save_last(rec, candidates)
+            return
+        self._save_epochwise(rec, candidates)
+
+    def on_train_epoch_end(self, rec: EventRecord) -> None:
+        """Save at the end of the training epoch when that is where epoch-wise saves go."""
+        if self._skip(rec) or not self._on_train_epoch_end(rec.trainer):
+            return
+        self._save_epochwise(rec, self._candidates(rec))
+
+    def on_train_end(self, rec: EventRecord) -> None:
+        """With ``save_last``, save ``last`` if nothing was saved during training."""
+        if self._outside_fit(rec) or not self.save_last or self._last_checkpoint_saved:
+            return
+        self._save_last(rec, self._candidates(rec))
+
+    # ------------------------------------------------------------------ when
+
+    @staticmethod
+    def _outside_fit(rec: EventRecord) -> bool:
+        trainer = rec.trainer
+        return rec.stage != "fit" or bool(trainer.sanity_checking) or bool(trainer.fast_dev_run)
+
+    def _skip(self, rec: EventRecord) -> bool:
+        return self._outside_fit(rec) or self._last_global_step_saved == rec.trainer.global_step
+
+    def _on_train_epoch_end(self, trainer: Any) -> bool:
+        """Lightning's rule for where epoch-wise saves go when ``save_on_train_epoch_end`` is
+        ``None``. ``val_check_interval == 1.0`` holds for the int 1 too, as in Lightning."""
+        if self._save_on_train_epoch_end is not None:
+            return self._save_on_train_epoch_end
+        if trainer.check_val_every_n_epoch != 1:
+            return False
+        if sum(trainer.num_val_batches) == 0:
+            return True
+        return bool(trainer.val_check_interval == 1.0)
+
+    def _validation_follows(self, rec: EventRecord) -> bool:
+        """Whether this was the epoch's last batch and validation runs next (and epoch-wise
+        saves do not go to the end of the training epoch)."""
+        trainer = rec.trainer
+        if self._on_train_epoch_end(trainer) or rec.batch_idx is None:
+            return False
+        if rec.batch_idx + 1 != trainer.num_training_batches or sum(trainer.num_val_batches) == 0:
+            return False
+        every = trainer.check_val_every_n_epoch
+        return every is None or (trainer.current_epoch + 1) % every == 0
+
+    def _save_epochwise(self, rec: EventRecord, candidates: dict[str, Any]) -> None:
+        epoch = rec.trainer.current_epoch
+        if self._every_n_epochs >= 1 and (epoch + 1) % self._every_n_epochs == 0:
+            self._save_topk(rec, candidates)
+        if self._last_global_step_saved == rec.trainer.global_step:
+            self._save_last(rec, candidates)
+
+    # ------------------------------------------------------------------ what
+
+    @staticmethod
+    def _candidates(rec: EventRecord) -> dict[str, Any]:
+        """The metrics a name or a ranking may use, with ``epoch`` and ``step`` as ints."""
+        candidates: dict[str, Any] = dict(rec.metrics)
+        trainer = rec.trainer
+        candidates["epoch"] = int(candidates.get("epoch", trainer.current_epoch))
+        candidates["step"] = int(candidates.get("step", trainer.global_step))
+        return candidates
+
+    def _save_topk(self, rec: EventRecord, candidates: dict[str, Any]) -> None:
+        if self.save_top_k == 0:
+            return
+        if self.monitor is None:
+            self._save_latest(rec, candidates)
+            return
+        if self.monitor not in candidates:
+            message = (
+                f"ModelCheckpoint(monitor={self.monitor!r}): no metric of that name; the "
+                f"metrics available are {sorted(candidates)}. Pass one of "
+                "them as monitor=, or return the metric from the task's eval_fn / loss_fn"
+            )
+            if self._validated:
+                raise RuntimeError(message)
+            if not self._warned_missing:
+                self._warned_missing = True
+                warnings.warn(message + " (not saving until it is)", UserWarning, stacklevel=3)
+            return
+        current = float(candidates[self.monitor])
+        if self.check_monitor_top_k(current):
+            self._update_best_and_save(rec, current, candidates)
+        elif self.verbose:
+            write_message(
+                f"Epoch {candidates['epoch']}, global step {candidates['step']}: "
+                f"{self.monitor!r} ({current:.5f}) was not in top {self.save_top_k}"
+            )
+
+    def check_monitor_top_k(self, current: float | None) -> bool:
+        """Whether a checkpoint scoring ``current`` belongs in the top k."""
+        if current is None:
+            return False
+        if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
+            return True
+        return _BETTER[self.mode](float(current), self.best_k_models[self.kth_best_model_path])
+
+    def _update_best_and_save(
+        self, rec: EventRecord, current: float, candidates: dict[str, Any]
+    ) -> None:
+        k = len(self.best_k_models) + 1 if self.save_top_k == -1 else self.save_top_k
+        dropped = None
+        if len(self.best_k_models) == k:
+            dropped = self.kth_best_model_path
+            del self.best_k_models[dropped]
+        if math.isnan(current):
+            current = math.inf if self.mode == "min" else -math.inf  # NaN ranks last
+        path = self._free_name(candidates, keep=dropped)
+        self.current_score = current
+        self.best_k_models[path] = current
+        worst, best = (max, min) if self.mode == "min" else (min, max)
+        if len(self.best_k_models) == k:
+            self.kth_best_model_path = worst(self.best_k_models, key=self.best_k_models.__getitem__)
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
+        self.best_model_path = best(self.best_k_models, key=self.best_k_models.__getitem__)
+        self.best_model_score = self.best_k_models[self.best_model_path]
+        if self.verbose:
+            write_message(
+                f"Epoch {candidates['epoch']}, global step {candidates['step']}: "
+                f"{self.monitor!r} reached {current:.5f} (best {self.best_model_score:.5f}), "
+                f"saving {path} as top {k}"
+            )
+        # the bookkeeping above is final before saving: the checkpoint holds this listener's state
+        self._save(rec, path)
+        if dropped and self._removable(rec, dropped, path):
+            _remove(dropped)
+
+    def _save_latest(self, rec: EventRecord, candidates: dict[str, Any]) -> None:
+        path = self._free_name(candidates, keep=self.best_model_path)
+        previous, self.best_model_path = self.best_model_path, path
+        self._save(rec, path)
+        if self.verbose:
+            write_message(f"Epoch {candidates['epoch']}, global step {candidates['step']}: {path}")
+        if self.save_top_k == 1 and previous and self._removable(rec, previous, path):
+            _remove(previous)
+
+    def _save_last(self, rec: EventRecord, candidates: dict[str, Any]) -> None:
+        if not self.save_last:
+            return
+        path = self._free_name(
+            candidates, keep=self.last_model_path, template=self.CHECKPOINT_NAME_LAST
+        )
+        previous, self.last_model_path = self.last_model_path, path
+        self._save(rec, path)
+        if previous and self._removable(rec, previous, path):
+            _remove(previous)
+
+    def _save(self, rec: EventRecord, path: str) -> None:
+        trainer = rec.trainer
+        trainer.save_checkpoint(path)
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = path
+        for logger in trainer.loggers:
+            if callable(getattr(logger, "after_save_checkpoint", None)):
+                logger.after_save_checkpoint(self)
+
+    def _free_name(
+        self, candidates: Mapping[str, Any], *, keep: str | None, template: str | None = None
+    ) -> str:
+        """The rendered path; with the version counter, the first of ``-v1``, ``-v2``, ... not on
+        disk (``keep``, the path this save replaces, may be reused)."""
+        path = self.format_checkpoint_name(candidates, template)
+        version = self.STARTING_VERSION
+        while self._enable_version_counter and os.path.lexists(path) and path != keep:
+            path = self.format_checkpoint_name(candidates, template, ver=version)
+            version += 1
+        return path
+
+    def _removable(self, rec: EventRecord, previous: str, current: str) -> bool:
+        """Delete ``previous`` only if it is another checkpoint inside ``dirpath`` and not the
+        one this fit resumed from."""
+        if previous == current or self.dirpath is None:
+            return False
+        old = Path(previous).absolute()
+        resumed = getattr(rec.trainer, "ckpt_path", None)
+        if resumed is not None and Path(resumed).absolute() == old:
+            return False
+        return Path(self.dirpath).absolute() in old.parents
+
+    # ------------------------------------------------------------------ names
+
+    def format_checkpoint_name(
+        self, metrics: Mapping[str, Any], filename: str | None = None, ver: int | None = None
+    ) -> str:
+        """The checkpoint path for ``metrics``: ``dirpath`` / the rendered template (``filename``,
+        else this listener's), with ``-v<ver>`` when ``ver`` is given.
+
+        Example:
+            >>> from engine.listeners import ModelCheckpoint
+            >>> ModelCheckpoint(filename="{epoch:03d}").format_checkpoint_name({"epoch": 5})
+            'epoch=005'
+            >>> mc = ModelCheckpoint(filename="e{epoch}-{val/acc:.1f}", auto_insert_metric_name=False)
+            >>> mc.format_checkpoint_name({"epoch": 2, "val/acc": 0.91})
+            'e2-0.9'
+        """
+        template = filename or self.filename or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}"
+
+        def render(field: re.Match[str]) -> str:
+            name, spec = field.group(1), field.group(2) or ""
+            text = format(metrics.get(name, 0), spec)
+            return f"{name}{self.CHECKPOINT_EQUALS_CHAR}{text}" if self.auto_insert_metric_name else text
+
+        name = _FIELD.sub(render, template)
+        for sep in {"/", os.sep, os.altsep or "/"}:
+            name = name.replace(sep, "_")  # a metric's namespace is no subdirectory
+        if ver is not None:
+            name = f"{name}{self.CHECKPOINT_JOIN_CHAR}v{ver}"
+        name += self.FILE_EXTENSION
+        return os.path.join(self.dirpath, name) if self.dirpath else name
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """The top-k bookkeeping, for checkpoints (JSON values: paths, floats, ``None``)."""
+        return {
+            "monitor": self.monitor,
+            "best_model_score": self.best_model_score,
+            "best_model_path": self.best_model_path,
+            "current_score": self.current_score,
+            "dirpath": self.dirpath,
+            "best_k_models": dict(self.best_k_models),
+            "kth_best_model_path": self.kth_best_model_path,
+            "kth_value": self.kth_value,
+            "last_model_path": self.last_model_path,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s values. If the checkpoint was written for another
+        ``dirpath``, only ``best_model_path`` is restored (with a warning), as in Lightning."""
+        saved_dir = state.get("dirpath", self.dirpath)
+        if saved_dir == self.dirpath:
+            self.best_model_score = _opt_float(state.get("best_model_score"))
+            self.current_score = _opt_float(state.get("current_score", self.current_score))
+            self.best_k_models = {
+                str(k): float(v) for k, v in state.get("best_k_models", {}).items()
+            }
+            self.kth_best_model_path = state.get("kth_best_model_path", self.kth_best_model_path)
+            self.kth_value = float(state.get("kth_value", self.kth_value))
+            self.last_model_path = state.get("last_model_path", self.last_model_path)
+        else:
+            warnings.warn(
+                f"ModelCheckpoint: the checkpoint was written with dirpath {saved_dir!r}, this "
+                f"listener saves to {self.dirpath!r}; only best_model_path is restored, the "
+                "top-k ranking starts afresh",
+                UserWarning,
+                stacklevel=2,
+            )
+        self.best_model_path = state.get("best_model_path", self.best_model_path)
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelCheckpoint(dirpath={self.dirpath!r}, monitor={self.monitor!r}, "
+            f"mode={self.mode!r}, save_top_k={self.save_top_k}, "
+            f"best_model_path={self.best_model_path!r})"
+        )
+
+
+def _check_count(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum} (got {value!r})")
+
+
+def _real(path: str | os.PathLike[str]) -> str:
+    return os.path.realpath(os.path.expanduser(os.fspath(path)))
+
+
+def _non_empty_dir(path: str) -> bool:
+    return os.path.isdir(path) and any(os.scandir(path))
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
