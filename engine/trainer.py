@@ -396,6 +396,7 @@ class Trainer:
             stack.callback(setattr, torch.backends.cudnn, "benchmark", previous_bm)
         profiler = self._profiler(stage)
         stack.enter_context(profiler)
+        stack.callback(checkpoint.wait)  # asynchronous saves land before the run returns
         with stack:
             self._emit(Event.SETUP)
             try:
@@ -429,12 +430,19 @@ class Trainer:
         return keyed
 
     def save_checkpoint(
-        self, filepath: str | os.PathLike[str], *, metrics: Mapping[str, float] | None = None
-    ) -> Path:
+        self,
+        filepath: str | os.PathLike[str],
+        *,
+        metrics: Mapping[str, float] | None = None,
+        asynchronous: bool = False,
+    ) -> Any:
         """Save the current state, the listeners' states and the loop position to ``filepath``.
 
         The checkpoint determines the rest of the run: ``fit(..., ckpt_path=filepath)`` continues
-        it. See :func:`engine.checkpoint.save` for the format and the guarantees.
+        it. See :func:`engine.checkpoint.save` for the format and the guarantees. With
+        ``asynchronous=True`` only a snapshot blocks and the write happens in the background
+        (:func:`engine.checkpoint.save_async`); returns a future of the path instead of the path.
+        A run waits for its pending saves before it ends.
         """
         if self._state is None:
             raise RuntimeError("save_checkpoint(): nothing to save yet; call fit() first")
@@ -450,7 +458,8 @@ class Trainer:
             # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
             "train_metrics": self._reducer.state_dict() if self._reducer is not None else None,
         }
-        return checkpoint.save(
+        save = checkpoint.save_async if asynchronous else checkpoint.save
+        return save(
             self._state,
             filepath,
             metrics=dict(self.callback_metrics) if metrics is None else metrics,

@@ -188,3 +188,32 @@ def test_engine_inspect_prints_the_summary_and_the_verdict(tmp_path):
     (path / "tensors.pt").write_bytes(b"garbage")
     bad = subprocess.run(cmd, capture_output=True, text=True)
     assert bad.returncode == 1 and "FAILED" in bad.stdout
+
+
+def test_an_asynchronous_save_holds_the_state_of_the_moment_it_was_asked_for(tmp_path):
+    tx = optim.adamw(1e-2)
+    step = eg.train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]), tx)
+    state = eg.TrainState.create(_model(), tx)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(20)
+    ]
+    state, _ = step(state, batches[0])
+    expected = state.fingerprint()
+    future = checkpoint.save_async(state, tmp_path / "c")
+    for b in batches[1:]:  # training goes on, updating the live tensors in place
+        state, _ = step(state, b)
+    assert future.result() == tmp_path / "c"
+    back = checkpoint.load(tmp_path / "c", eg.TrainState.create(_model(), tx))
+    assert back.fingerprint() == expected != state.fingerprint()
+
+
+def test_an_asynchronous_save_that_fails_reports_through_its_future(tmp_path, monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", no_space)
+    future = checkpoint.save_async(_trained(calls=1), tmp_path / "c")
+    with pytest.raises(CheckpointError, match="disk is full"):
+        future.result()
+    checkpoint.wait()
