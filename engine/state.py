@@ -272,7 +272,7 @@ def _hash_leaf(h: Any, leaf: Any) -> None:
         if t.numel():
             t = t.to("cpu").contiguous()
             # view as bytes: exact bits, including -0.0 and NaN payloads
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())  # hashed in place, no copy
     else:
         h.update(repr(leaf).encode())
 
