@@ -124,6 +124,7 @@ def save(
     *,
     metrics: Mapping[str, float] | None = None,
     extra: Mapping[str, Any] | None = None,
+    fingerprint: bool = False,
 ) -> Path:
     """Write ``state`` to the checkpoint directory ``path`` atomically and durably.
 
@@ -132,6 +133,8 @@ def save(
         path: the checkpoint directory to create; an existing one is replaced atomically.
         metrics: host-side metrics to record in ``meta.json`` (floats).
         extra: JSON-serialisable data to record (listener states, data position, config).
+        fingerprint: also record ``state.fingerprint()`` in ``meta.json`` (a second pass over
+            every byte, as costly as the write itself).
 
     Returns:
         The checkpoint's path.
@@ -172,7 +175,8 @@ def save(
             "batch_idx": state.batch_idx,
             "micro_step": state.micro_step,
             "seed": state.seed,
-            "fingerprint": state.fingerprint(),
+            # hashing every bit again costs as much as the write: only when asked (replay does)
+            "fingerprint": state.fingerprint() if fingerprint else None,
             "num_params": state.num_params(),
             "has_grad_accum": state.grad_accum is not None,
             "opt_state_scalars": _jsonable(scalars, "optimizer state"),

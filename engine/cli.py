@@ -34,7 +34,8 @@ def _inspect(args: argparse.Namespace) -> int:
         )
         for k, v in sorted((info["metrics"] or {}).items()):
             print(f"metric          {k} = {v}")
-        print(f"fingerprint     {info['fingerprint']}")
+        if info["fingerprint"]:
+            print(f"fingerprint     {info['fingerprint']}")
         print(
             "checksums       "
             + ("all verify" if info["verified"] else f"FAILED: {info['problem']}")

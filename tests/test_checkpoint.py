@@ -46,9 +46,9 @@ def _template() -> eg.TrainState:
 def test_round_trip_is_bitwise_including_a_half_full_accumulation_window(tmp_path):
     state = _trained(accumulate=3, calls=7)  # 2 optimizer steps, 1 micro-batch pending
     assert state.micro_step == 1 and state.grad_accum is not None
-    path = checkpoint.save(state, tmp_path / "c", metrics={"val/loss": 0.5})
+    path = checkpoint.save(state, tmp_path / "c", metrics={"val/loss": 0.5}, fingerprint=True)
     back = checkpoint.load(path, _template())
-    assert back.fingerprint() == state.fingerprint()
+    assert back.fingerprint() == state.fingerprint() == checkpoint.read_meta(path)["fingerprint"]
     assert (back.step, back.epoch, back.batch_idx, back.micro_step, back.seed) == (2, 0, 7, 1, 3)
     assert checkpoint.read_meta(path)["metrics"] == {"val/loss": 0.5}
     assert not back.consumed and back.module is not None
