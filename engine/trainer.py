@@ -263,6 +263,7 @@ class Trainer:
         self._signal: int | None = None  # SIGTERM / SIGINT received during fit
         self._reducer: MetricReducer | None = None  # the current epoch's training metrics
         self._restored_reducer: MetricReducer | None = None
+        self.ckpt_path: str | None = None  # the checkpoint the current run resumed from
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -506,6 +507,7 @@ class Trainer:
         if path is None:
             return
         self._state = checkpoint.load(path, template)
+        self.ckpt_path = str(path)  # ModelCheckpoint never deletes the one a run resumed from
         meta = checkpoint.read_meta(path)
         saved = meta.get("extra", {}).get("listeners", {})
         for key, listener in self._keyed_listeners():

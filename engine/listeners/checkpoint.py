@@ -95,6 +95,10 @@ class ModelCheckpoint(Listener):
     Raises:
         ValueError: for a bad ``mode``, ``save_last``, ``save_top_k``, negative or combined
             triggers, or ``save_top_k > 1`` without ``monitor``.
+        TypeError: for a ``monitor`` that is not a non-empty string, or a
+            ``train_time_interval`` that is not a ``timedelta``.
+        RuntimeError: while fitting, when ``monitor`` is missing from the metrics after a
+            validation has run.
 
     Example:
         >>> from engine.listeners import ModelCheckpoint
@@ -225,6 +229,12 @@ class ModelCheckpoint(Listener):
     def on_fit_start(self, rec: EventRecord) -> None:
         self._validated = False
         self._defer_until_validation = False
+
+    def on_load_checkpoint(self, rec: EventRecord) -> None:
+        """The resumed step is on disk already: do not save it again (a run resumed from a
+        checkpoint written at the end of an epoch replays that epoch's end)."""
+        if rec.stage == "fit":
+            self._last_global_step_saved = rec.trainer.global_step
 
     def on_train_start(self, rec: EventRecord) -> None:
         self._last_time_checked = time.monotonic()
@@ -461,7 +471,8 @@ class ModelCheckpoint(Listener):
             >>> from engine.listeners import ModelCheckpoint
             >>> ModelCheckpoint(filename="{epoch:03d}").format_checkpoint_name({"epoch": 5})
             'epoch=005'
-            >>> mc = ModelCheckpoint(filename="e{epoch}-{val/acc:.1f}", auto_insert_metric_name=False)
+            >>> mc = ModelCheckpoint(filename="e{epoch}-{val/acc:.1f}",
+            ...                      auto_insert_metric_name=False)
             >>> mc.format_checkpoint_name({"epoch": 2, "val/acc": 0.91})
             'e2-0.9'
         """
@@ -469,8 +480,19 @@ class ModelCheckpoint(Listener):
 
         def render(field: re.Match[str]) -> str:
             name, spec = field.group(1), field.group(2) or ""
-            text = format(metrics.get(name, 0), spec)
-            return f"{name}{self.CHECKPOINT_EQUALS_CHAR}{text}" if self.auto_insert_metric_name else text
+            value = metrics.get(name, 0)
+            try:
+                text = format(value, spec)
+            except (TypeError, ValueError) as e:
+                raise ValueError(
+                    f"ModelCheckpoint(filename={template!r}): {name} = {value!r} does not "
+                    f"format as {{{name}:{spec}}} ({e}); metrics are floats, epoch and step ints"
+                ) from None
+            return (
+                f"{name}{self.CHECKPOINT_EQUALS_CHAR}{text}"
+                if self.auto_insert_metric_name
+                else text
+            )
 
         name = _FIELD.sub(render, template)
         for sep in {"/", os.sep, os.altsep or "/"}:
