@@ -264,6 +264,8 @@ class Trainer:
         self._reducer: MetricReducer | None = None  # the current epoch's training metrics
         self._restored_reducer: MetricReducer | None = None
         self.ckpt_path: str | None = None  # the checkpoint the current run resumed from
+        self._phase = "between"  # where the fit loop is (saved with checkpoints)
+        self._resume_phase: str | None = None  # the phase a restored checkpoint was saved in
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -455,7 +457,12 @@ class Trainer:
                 listeners[key] = state
         extra = {
             "listeners": listeners,
-            "trainer": {"total_batch_idx": self._total_batch_idx, "stage": self.stage},
+            "trainer": {
+                "total_batch_idx": self._total_batch_idx,
+                "stage": self.stage,
+                # where in the loop the save happened, so a resume completes that batch
+                "phase": self._phase,
+            },
             # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
             "train_metrics": self._reducer.state_dict() if self._reducer is not None else None,
         }
@@ -515,6 +522,8 @@ class Trainer:
                 listener.load_state_dict(saved[key])
         extra = meta.get("extra", {})
         self._total_batch_idx = extra.get("trainer", {}).get("total_batch_idx", 0)
+        phase = extra.get("trainer", {}).get("phase")
+        self._resume_phase = phase if phase in ("batch_end", "validation", "epoch_end") else None
         if extra.get("train_metrics") and self.task is not None:
             self._restored_reducer = MetricReducer(self.task.reduce)
             self._restored_reducer.load_state_dict(extra["train_metrics"])
@@ -592,7 +601,8 @@ class Trainer:
                 f"Trainer.fit() takes exactly one training dataloader (got {len(train_loaders)})"
             )
         val_loaders = resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
-        self._total_batch_idx = 0  # a checkpoint, if given, restores it
+        self._total_batch_idx = 0  # a checkpoint, if given, restores these
+        self._phase, self._resume_phase = "between", None
         with self._run("fit", task, state, ckpt_path):
             self._fit(task, train_loaders[0], val_loaders, datamodule)
         assert self._state is not None
@@ -640,6 +650,13 @@ class Trainer:
         last_reload = None
         while not self._fit_done():
             epoch = self.current_epoch
+            assert self._state is not None
+            if self._resume_phase == "epoch_end":
+                # saved while the epoch was ending: its end (logging, events) has happened
+                self._resume_phase = None
+                reducer.reset()
+                self._state = self._state.replace(epoch=epoch + 1, batch_idx=0)
+                continue
             if (
                 self.reload_dataloaders_every_n_epochs
                 and dm is not None
@@ -674,7 +691,10 @@ class Trainer:
                     "without loading",
                     stacklevel=3,
                 )
-            for i, batch, is_last in lookahead(train_loader, self.num_training_batches - offset):
+            if self._resume_phase is not None:
+                self._finish_resumed_batch(skip, validate_this_epoch, evaluate, val_loaders, dm)
+            batches = 0 if self._epoch_done() else self.num_training_batches - offset
+            for i, batch, is_last in lookahead(train_loader, batches):
                 batch_idx = i + offset
                 if batch_idx < skip:
                     continue
@@ -687,17 +707,20 @@ class Trainer:
                     reducer.update(metrics, batch_size(batch))
                     if steps and self._state.step % self.log_every_n_steps == 0:
                         self._log_step(metrics)
+                self._phase = "batch_end"
                 self._emit(
                     Event.ON_TRAIN_BATCH_END, outputs=metrics, batch=batch, batch_idx=batch_idx
                 )
                 if validate_this_epoch and self._should_validate(
                     batch_idx, self._total_batch_idx, is_last
                 ):
+                    self._phase = "validation"
                     val_loaders = self._reload_val_loaders(val_loaders, dm)
                     self._evaluate(
                         "validation", evaluate, val_loaders, self.num_val_batches, log=True
                     )
                 self._total_batch_idx += 1
+                self._phase = "between"
                 if self._signal is not None:
                     self._stop_for_signal()
                 if self._epoch_done():
@@ -707,8 +730,10 @@ class Trainer:
                 reducer.reset()
                 self.log_metrics(epoch_metrics)
                 self._update_prog_bar(epoch_metrics)
+            self._phase = "epoch_end"
             self._emit(Event.ON_TRAIN_EPOCH_END)
             self._state = self._state.replace(epoch=epoch + 1, batch_idx=0)
+            self._phase = "between"
         self._emit(Event.ON_TRAIN_END)
         self._emit(Event.ON_FIT_END)
 
@@ -760,6 +785,22 @@ class Trainer:
             return False
         i = total_batch_idx if self.check_val_every_n_epoch is None else batch_idx
         return (i + 1) % self.val_check_batch == 0
+
+    def _finish_resumed_batch(
+        self, skip: int, validate_this_epoch: bool, evaluate: Any, val_loaders: list[Any], dm: Any
+    ) -> None:
+        """Complete what the batch a checkpoint was saved in still had to do: a checkpoint
+        taken in ``on_train_batch_end`` precedes that batch's validation check, one taken
+        during its validation precedes the batch count's increment."""
+        phase, self._resume_phase = self._resume_phase, None
+        if phase == "batch_end" and skip and validate_this_epoch:
+            last = skip >= self.num_training_batches
+            if self._should_validate(skip - 1, self._total_batch_idx, last):
+                val_loaders = self._reload_val_loaders(val_loaders, dm)
+                self._evaluate("validation", evaluate, val_loaders, self.num_val_batches, log=True)
+        if phase in ("batch_end", "validation"):
+            self._total_batch_idx += 1
+        self._phase = "between"
 
     def _can_stop_early(self) -> bool:
         met_epochs = self.current_epoch >= self.min_epochs if self.min_epochs else True

@@ -82,14 +82,14 @@ def _ours(tx, mode="apply", sign=1.0, steps=STEPS):
     return {k: v.detach() for k, v in params.items()}
 
 
-def _compare(ours, theirs, exact):
+def _compare(ours, theirs, exact, tol=1e-6):
     for k, p in theirs.items():
         assert ours[k].dtype == p.dtype
         if exact:
             assert torch.equal(ours[k], p), (k, (ours[k] - p).abs().max())
         else:  # 1e-6 relative, measured tensor-wise (elementwise is meaningless near zero)
             err = ((ours[k].double() - p.double()).norm() / p.double().norm()).item()
-            assert err <= 1e-6, (k, err)
+            assert err <= tol, (k, err)
     # the comparison must not be vacuous: the parameters moved
     assert any(not torch.equal(theirs[k], v) for k, v in _mlp_params().items())
 
@@ -228,7 +228,12 @@ RMSPROP_OPTIONS = [
 @pytest.mark.parametrize(("mode", "exact"), [("apply", True), ("update", False)])
 def test_rmsprop_matches_torch_after_100_steps(kw, mode, exact):
     theirs = _reference(_opt(torch.optim.RMSprop, lr=1e-3, foreach=True, **kw), sign=_sign(kw))
-    _compare(_ours(optim.rmsprop(1e-3, **kw), mode, sign=_sign(kw)), theirs, exact)
+    # The composable update form ends in u = -lr * x then p += u, where torch fuses
+    # p.add_(x, alpha=-lr): one rounding apart per step. Centered RMSprop with momentum carries
+    # that ulp for 100 steps to 0.8e-6 with 2 threads and 1.0e-6 with 1; the default (apply)
+    # path is bitwise.
+    tol = 2e-6 if kw.get("centered") and kw.get("momentum") else 1e-6
+    _compare(_ours(optim.rmsprop(1e-3, **kw), mode, sign=_sign(kw)), theirs, exact, tol)
 
 
 def test_rmsprop_with_a_short_average_is_bitwise():

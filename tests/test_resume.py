@@ -247,3 +247,60 @@ def test_logged_metrics_after_a_mid_epoch_resume_are_bitwise_identical(tmp_path)
     after = [r for r in full_log.rows if r[0] > 14]
     assert any("train/loss_epoch" in m for _, m in after)  # the resumed epoch's mean is in
     assert resumed_log.rows == after
+
+
+class _SaveOn(eg.Listener):
+    """Save in a given event at a given (epoch, batch) position."""
+
+    def __init__(self, event: str, epoch: int, batch_idx: int | None, path: Path) -> None:
+        self.epoch, self.batch_idx, self.path = epoch, batch_idx, path
+        setattr(self, event, self._maybe_save)
+
+    def _maybe_save(self, rec):
+        t = rec.trainer
+        if t.current_epoch == self.epoch and rec.batch_idx == self.batch_idx:
+            t.save_checkpoint(self.path)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("event", "epoch", "batch_idx"),
+    [
+        ("on_train_batch_end", 1, 1),  # before this batch's scheduled validation
+        ("on_validation_end", 1, None),  # during the validation of a batch
+        ("on_train_epoch_end", 0, None),  # after the epoch's metrics were logged
+    ],
+)
+def test_a_resume_completes_the_batch_or_epoch_the_checkpoint_was_saved_in(
+    tmp_path, event, epoch, batch_idx
+):
+    task, data = _task(), _data()
+    kw = {
+        "max_epochs": 3,
+        "log_every_n_steps": 2,
+        "val_check_interval": 3,
+        "check_val_every_n_epoch": None,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    full_log = _Log()
+    eg.Trainer(logger=full_log, **kw).fit(task, task.init(_model(), seed=5), data, data[:3])
+    ckpt = tmp_path / "c"
+    eg.Trainer(logger=False, callbacks=[_SaveOn(event, epoch, batch_idx, ckpt)], **kw).fit(
+        task, task.init(_model(), seed=5), data, data[:3]
+    )
+    saved_at = checkpoint.read_meta(ckpt)["step"]
+    resumed_log = _Log()
+    state = eg.Trainer(logger=resumed_log, **kw).fit(
+        task, task.init(_model()), data, data[:3], ckpt_path=ckpt
+    )
+    # everything logged after the save point, validation and epoch means included, again
+    tail = full_log.rows[-len(resumed_log.rows) :]
+    assert resumed_log.rows == tail
+    assert any(k.startswith("val/") for _, m in resumed_log.rows for k in m)
+    assert [r for r in full_log.rows if r[0] > saved_at] == [
+        r for r in resumed_log.rows if r[0] > saved_at
+    ]
+    assert state.step == 30
