@@ -31,6 +31,7 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.step --json
+	$(PY) -m benchmarks.checkpoint --json
 
 clean:
 	rm -rf $(VENV) *.egg-info
