@@ -13,9 +13,8 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
+from digits import loss_fn, make_model  # the same model and loss as the Trainer demo
 from sklearn.datasets import load_digits
-from torch import nn
 
 import engine as eg
 from engine import optim
@@ -37,12 +36,6 @@ def batches(x, y, batch_size: int, seed: int, epoch: int):
         yield x[idx], y[idx]
 
 
-def loss_fn(model, batch):
-    x, y = batch
-    logits = model(x)
-    return F.cross_entropy(logits, y), {"acc": (logits.argmax(-1) == y).float().mean()}
-
-
 def main(argv: list[str] | None = None) -> float:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=30)
@@ -55,15 +48,7 @@ def main(argv: list[str] | None = None) -> float:
     total = args.epochs * steps_per_epoch
 
     torch.manual_seed(args.seed)  # the script owns its process: seed the initial weights
-    model = nn.Sequential(
-        nn.Linear(64, 256),
-        nn.ReLU(),
-        nn.Dropout(0.2),
-        nn.Linear(256, 256),
-        nn.ReLU(),
-        nn.Dropout(0.2),
-        nn.Linear(256, 10),
-    )
+    model = make_model()
     tx = optim.chain(
         optim.clip_by_global_norm(1.0),
         optim.adamw(
