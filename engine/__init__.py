@@ -10,6 +10,7 @@ from engine import checkpoint, data, listeners, loggers, optim, rng
 from engine.events import Event, EventRecord, Listener, Stop, on
 from engine.listeners import (
     EarlyStopping,
+    Journal,
     LearningRateMonitor,
     ModelCheckpoint,
     ModelSummary,
@@ -36,6 +37,7 @@ __all__ = [
     "CSVLogger",
     "ConsumedStateError",
     "EarlyStopping",
+    "Journal",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelSummary",

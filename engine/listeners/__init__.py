@@ -23,6 +23,7 @@ Example:
 
 from engine.listeners.checkpoint import ModelCheckpoint
 from engine.listeners.early_stopping import EarlyStopping, EarlyStoppingReason
+from engine.listeners.journal import Journal
 from engine.listeners.lr_monitor import LearningRateMonitor
 from engine.listeners.progress import ProgressBar
 from engine.listeners.summary import ModelSummary, summarize
@@ -31,6 +32,7 @@ from engine.listeners.timer import Timer, parse_duration
 __all__ = [
     "EarlyStopping",
     "EarlyStoppingReason",
+    "Journal",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelSummary",

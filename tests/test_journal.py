@@ -1,0 +1,103 @@
+"""The run journal: lines at the right steps with the step's real loss, fingerprints that match
+the states they describe, the task's code pickled for replay, and resume appends."""
+
+from __future__ import annotations
+
+import json
+
+import cloudpickle
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import engine as eg
+from engine import optim
+from engine.listeners import Journal
+
+
+def _task() -> eg.Task:
+    sched = optim.cosine_decay(0.1, 20)
+    return eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(sched), lr=sched)
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(5)]
+
+
+def _trainer(tmp_path, **kw):
+    return eg.Trainer(
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kw,
+    )
+
+
+class _Record(eg.Listener):
+    def __init__(self):
+        self.losses, self.fingerprints = {}, {}
+
+    def on_train_batch_end(self, rec):
+        self.losses[rec.state.step] = float(rec.outputs["loss"])
+        self.fingerprints[rec.state.step] = rec.state.fingerprint()
+
+
+def test_journal_lines_hold_the_steps_loss_lr_and_fingerprint(tmp_path):
+    task, seen = _task(), _Record()
+    journal = Journal(tmp_path / "run", every_n_steps=2, fingerprint_every_n_steps=4)
+    _trainer(tmp_path, max_epochs=2, callbacks=[journal, seen]).fit(
+        task, task.init(nn.Linear(3, 1)), _data()
+    )
+    lines = Journal.read(tmp_path / "run")
+    assert [x["step"] for x in lines] == [2, 4, 6, 8, 10]
+    for line in lines:
+        assert line["loss"] == seen.losses[line["step"]]
+        assert line["lr"] == optim.cosine_decay(0.1, 20)(line["step"])
+        assert ("fingerprint" in line) == (line["step"] % 4 == 0)
+        if "fingerprint" in line:
+            assert line["fingerprint"] == seen.fingerprints[line["step"]]
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["max_epochs"] == 2 and config["log_every_n_steps"] == 50
+
+
+def test_the_task_is_pickled_with_its_code_for_replay(tmp_path):
+    task = _task()
+    _trainer(tmp_path, max_steps=2, callbacks=[Journal(tmp_path / "run")]).fit(
+        task, task.init(nn.Linear(3, 1)), _data()
+    )
+    again = cloudpickle.loads((tmp_path / "run" / "task.pkl").read_bytes())
+    batch = _data()[0]
+    model = nn.Linear(3, 1)
+    assert torch.equal(again.loss_fn(model, batch), task.loss_fn(model, batch))
+
+
+class _SaveAt(eg.Listener):
+    def __init__(self, step, path):
+        self.step, self.path, self.fingerprint = step, path, None
+
+    def on_train_batch_end(self, rec):
+        if rec.state.step == self.step and self.fingerprint is None:
+            self.fingerprint = rec.state.fingerprint()
+            rec.trainer.save_checkpoint(self.path)
+
+
+def test_checkpoints_are_journaled_with_a_fingerprint_and_a_resume_appends(tmp_path):
+    task, saver = _task(), _SaveAt(3, tmp_path / "ckpt")
+    journal = Journal(tmp_path / "run", every_n_steps=5, fingerprint_every_n_steps=0)
+    _trainer(tmp_path, max_epochs=1, callbacks=[journal, saver]).fit(
+        task, task.init(nn.Linear(3, 1)), _data()
+    )
+    _trainer(tmp_path, max_epochs=2, callbacks=[Journal(tmp_path / "run", every_n_steps=5)]).fit(
+        task, task.init(nn.Linear(3, 1)), _data(), ckpt_path=tmp_path / "ckpt"
+    )
+    lines = Journal.read(tmp_path / "run")
+    assert [(x["step"], x.get("checkpoint", False)) for x in lines] == [
+        (3, True),
+        (5, False),
+        (5, False),
+        (10, False),  # the resumed run re-journals step 5
+    ]
+    assert lines[0]["fingerprint"] == saver.fingerprint and "fingerprint" not in lines[1]
+    assert lines[1]["loss"] == lines[2]["loss"]  # the resumed step 5 is the same step 5
