@@ -55,34 +55,13 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...], later: str = "
 
 def parse_max_time(value: Any) -> timedelta | None:
     """``max_time`` as Lightning takes it: "DD:HH:MM:SS", a timedelta, or a dict of timedelta
-    keyword arguments."""
-    if value is None:
-        return None
-    if isinstance(value, timedelta):
-        out = value
-    elif isinstance(value, dict):
-        try:
-            out = timedelta(**value)
-        except TypeError as e:
-            raise ValueError(
-                f"Trainer(max_time={value!r}): a dict takes timedelta's keywords "
-                f"(days, hours, minutes, seconds, ...): {e}"
-            ) from None
-    elif isinstance(value, str):
-        parts = value.split(":")
-        if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(
-                f"Trainer(max_time={value!r}): a string must be 'DD:HH:MM:SS', e.g. '00:12:00:00'"
-            )
-        d, h, m, s = (int(p) for p in parts)
-        out = timedelta(days=d, hours=h, minutes=m, seconds=s)
-    else:
-        raise ValueError(
-            f"Trainer(max_time={value!r}): pass 'DD:HH:MM:SS', a datetime.timedelta or a dict"
-        )
-    if out.total_seconds() < 0:
-        raise ValueError(f"Trainer(max_time={value!r}): the duration must not be negative")
-    return out
+    keyword arguments (the Timer listener's parser, with the flag named in the error)."""
+    from engine.listeners.timer import parse_duration
+
+    try:
+        return parse_duration(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"Trainer(max_time={value!r}): {e}") from None
 
 
 def check_val_check_interval(value: Any) -> int | float:
