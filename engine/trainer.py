@@ -12,14 +12,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
-import sys
-import threading
-import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -27,6 +22,8 @@ import torch
 
 from engine import _config as cfg
 from engine import checkpoint
+from engine._profiling import ProfilingMixin
+from engine._resume import CheckpointingMixin, _is
 from engine.data import (
     batch_size,
     count_batches,
@@ -46,7 +43,7 @@ __all__ = ["Trainer"]
 INF = math.inf
 
 
-class Trainer:
+class Trainer(CheckpointingMixin, ProfilingMixin):
     """Lightning's ``Trainer``, as a driver of pure steps. Flags keep Lightning's names,
     defaults and meanings.
 
@@ -419,153 +416,6 @@ class Trainer:
                 if callable(getattr(lg, "finalize", None)):
                     lg.finalize("success")
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def _keyed_listeners(self) -> list[tuple[str, Any]]:
-        keyed: list[tuple[str, Any]] = []
-        seen: dict[str, int] = {}
-        for listener in self.callbacks:
-            if not callable(getattr(listener, "state_dict", None)):
-                continue
-            key = getattr(listener, "state_key", None) or type(listener).__qualname__
-            seen[key] = seen.get(key, 0) + 1
-            keyed.append((key if seen[key] == 1 else f"{key}#{seen[key]}", listener))
-        return keyed
-
-    def save_checkpoint(
-        self,
-        filepath: str | os.PathLike[str],
-        *,
-        metrics: Mapping[str, float] | None = None,
-        asynchronous: bool = False,
-    ) -> Any:
-        """Save the current state, the listeners' states and the loop position to ``filepath``.
-
-        The checkpoint determines the rest of the run: ``fit(..., ckpt_path=filepath)`` continues
-        it. See :func:`engine.checkpoint.save` for the format and the guarantees. With
-        ``asynchronous=True`` only a snapshot blocks and the write happens in the background
-        (:func:`engine.checkpoint.save_async`); returns a future of the path instead of the path.
-        A run waits for its pending saves before it ends.
-        """
-        if self._state is None:
-            raise RuntimeError("save_checkpoint(): nothing to save yet; call fit() first")
-        self._emit(Event.ON_SAVE_CHECKPOINT)
-        listeners = {}
-        for key, listener in self._keyed_listeners():
-            state = listener.state_dict()
-            if state:
-                listeners[key] = state
-        extra = {
-            "listeners": listeners,
-            "trainer": {
-                "total_batch_idx": self._total_batch_idx,
-                "stage": self.stage,
-                # where in the loop the save happened, so a resume completes that batch
-                "phase": self._phase,
-            },
-            # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
-            "train_metrics": self._reducer.state_dict() if self._reducer is not None else None,
-        }
-        save = checkpoint.save_async if asynchronous else checkpoint.save
-        return save(
-            self._state,
-            filepath,
-            metrics=dict(self.callback_metrics) if metrics is None else metrics,
-            extra=extra,
-        )
-
-    def _resolve_ckpt(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
-        if ckpt_path not in ("last", "best"):
-            return Path(ckpt_path)
-        savers = [x for x in self.callbacks if _is(x, "ModelCheckpoint")]
-        if ckpt_path == "best":
-            best = next((x.best_model_path for x in savers if x.best_model_path), None)
-            if not best:
-                raise ValueError(
-                    'ckpt_path="best": no best checkpoint is known; give a ModelCheckpoint with '
-                    "a monitor, or pass a path"
-                )
-            return Path(best)
-        roots = [Path(x.dirpath) for x in savers if getattr(x, "dirpath", None)]
-        roots.append(Path(self.default_root_dir) / "checkpoints")
-        found = []
-        for root in roots:
-            checkpoint.clean_leftovers(root)
-            if root.is_dir():
-                found += [p for p in root.iterdir() if (p / checkpoint.META).is_file()]
-        newest = sorted(found, key=lambda p: (_step_of(p), p.stat().st_mtime), reverse=True)
-        for i, path in enumerate(newest):
-            if checkpoint.inspect(path)["verified"]:
-                if i:
-                    warnings.warn(
-                        f'ckpt_path="last": {newest[0]} fails verification; resuming from the '
-                        f"newest valid checkpoint, {path}",
-                        stacklevel=3,
-                    )
-                return path
-        warnings.warn(
-            'ckpt_path="last": no valid checkpoint found; training starts from the given state',
-            stacklevel=3,
-        )
-        return None
-
-    def _restore(self, ckpt_path: str | os.PathLike[str], template: TrainState) -> None:
-        path = self._resolve_ckpt(ckpt_path)
-        if path is None:
-            return
-        self._state = checkpoint.load(path, template)
-        self.ckpt_path = str(path)  # ModelCheckpoint never deletes the one a run resumed from
-        meta = checkpoint.read_meta(path)
-        saved = meta.get("extra", {}).get("listeners", {})
-        for key, listener in self._keyed_listeners():
-            if key in saved and callable(getattr(listener, "load_state_dict", None)):
-                listener.load_state_dict(saved[key])
-        extra = meta.get("extra", {})
-        self._total_batch_idx = extra.get("trainer", {}).get("total_batch_idx", 0)
-        phase = extra.get("trainer", {}).get("phase")
-        self._resume_phase = phase if phase in ("batch_end", "validation", "epoch_end") else None
-        if extra.get("train_metrics") and self.task is not None:
-            self._restored_reducer = MetricReducer(self.task.reduce)
-            self._restored_reducer.load_state_dict(extra["train_metrics"])
-        self._emit(Event.ON_LOAD_CHECKPOINT)
-
-    @contextlib.contextmanager
-    def _catch_signals(self) -> Iterator[None]:
-        """During fit, SIGTERM and SIGINT only raise a flag: the current step finishes, then
-        the loop saves a checkpoint and exits (see ``_stop_for_signal``)."""
-        self._signal = None
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers can only be installed from the main thread
-            return
-
-        def handler(signum: int, frame: Any) -> None:
-            if self._signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt  # a second Ctrl-C: stop now
-            self._signal = signum
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
-    def _stop_for_signal(self) -> None:
-        assert self._signal is not None and self._state is not None
-        name = signal.Signals(self._signal).name
-        path = self.save_checkpoint(
-            Path(self.default_root_dir) / "checkpoints" / f"interrupted-step={self.global_step}"
-        )
-        message = (
-            f"{name} received: finished step {self.global_step} (epoch {self.current_epoch}, "
-            f"batch {self._state.batch_idx}), saved a checkpoint to {path}; resume exactly with "
-            f"Trainer.fit(..., ckpt_path={str(path)!r}) or ckpt_path='last'"
-        )
-        print(message, file=sys.stderr)
-        if self._signal == signal.SIGINT:
-            raise KeyboardInterrupt(message)
-        raise SystemExit(message)
-
     # ------------------------------------------------------------------ fit
 
     def fit(
@@ -786,22 +636,6 @@ class Trainer:
         i = total_batch_idx if self.check_val_every_n_epoch is None else batch_idx
         return (i + 1) % self.val_check_batch == 0
 
-    def _finish_resumed_batch(
-        self, skip: int, validate_this_epoch: bool, evaluate: Any, val_loaders: list[Any], dm: Any
-    ) -> None:
-        """Complete what the batch a checkpoint was saved in still had to do: a checkpoint
-        taken in ``on_train_batch_end`` precedes that batch's validation check, one taken
-        during its validation precedes the batch count's increment."""
-        phase, self._resume_phase = self._resume_phase, None
-        if phase == "batch_end" and skip and validate_this_epoch:
-            last = skip >= self.num_training_batches
-            if self._should_validate(skip - 1, self._total_batch_idx, last):
-                val_loaders = self._reload_val_loaders(val_loaders, dm)
-                self._evaluate("validation", evaluate, val_loaders, self.num_val_batches, log=True)
-        if phase in ("batch_end", "validation"):
-            self._total_batch_idx += 1
-        self._phase = "between"
-
     def _can_stop_early(self) -> bool:
         met_epochs = self.current_epoch >= self.min_epochs if self.min_epochs else True
         met_steps = self.global_step >= self.min_steps if self.min_steps else True
@@ -998,59 +832,6 @@ class Trainer:
             return None
         return outputs[0] if len(outputs) == 1 else outputs
 
-    # ------------------------------------------------------------------ profiling
-
-    @contextlib.contextmanager
-    def _profiler(self, stage: str) -> Iterator[None]:
-        if self.profiler is None:
-            yield
-            return
-        log_dir = self.log_dir or self.default_root_dir
-        os.makedirs(log_dir, exist_ok=True)
-        if self.profiler == "pytorch":
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                yield
-            path = os.path.join(log_dir, f"{stage}-trace.json")
-            prof.export_chrome_trace(path)
-            print(f"PyTorch profiler trace written to {path}")
-            return
-        start = time.perf_counter()
-        self.profile = {}
-        yield
-        total = time.perf_counter() - start
-        lines = [
-            f"Simple profiler: {stage} took {total:.3f}s",
-            "",
-            f"{'action':24s} {'calls':>8s} {'total s':>10s} {'mean ms':>10s} {'% of run':>9s}",
-        ]
-        for action, times in sorted(self.profile.items(), key=lambda kv: -sum(kv[1])):
-            spent = sum(times)
-            lines.append(
-                f"{action:24s} {len(times):8d} {spent:10.3f} {1e3 * spent / len(times):10.3f} "
-                f"{100 * spent / total:8.1f}%"
-            )
-        report = "\n".join(lines)
-        with open(os.path.join(log_dir, f"{stage}-profile.txt"), "w") as f:
-            f.write(report + "\n")
-        print(report)
-
-    def _timed(self, action: str, fn: Any) -> Any:
-        """``fn``, timed into ``self.profile[action]`` when ``profiler="simple"``, else itself
-        (no cost in the loop when profiling is off)."""
-        if self.profiler != "simple":
-            return fn
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.profile.setdefault(action, []).append(time.perf_counter() - t0)
-
-        return timed
-
 
 _EVAL_EVENTS = {
     kind: {
@@ -1063,17 +844,6 @@ _EVAL_EVENTS = {
     }
     for kind, name in (("validation", "VALIDATION"), ("test", "TEST"))
 }
-
-
-def _is(obj: Any, cls_name: str) -> bool:
-    return any(c.__name__ == cls_name for c in type(obj).__mro__)
-
-
-def _step_of(path: Path) -> int:
-    try:
-        return int(checkpoint.read_meta(path).get("step", -1))
-    except checkpoint.CheckpointError:
-        return -1
 
 
 def _print_results(stage: str, results: list[dict[str, float]]) -> None:
