@@ -22,8 +22,8 @@ demo: $(STAMP)
 	$(PY) examples/digits.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check engine tests benchmarks examples
-	$(PY) -m ruff format --check engine tests benchmarks examples
+	$(PY) -m ruff check engine tests benchmarks examples conftest.py
+	$(PY) -m ruff format --check engine tests benchmarks examples conftest.py
 	$(PY) -m mypy engine
 
 test: lint

@@ -294,6 +294,16 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             from engine.listeners import ModelSummary
 
             listeners.insert(0, ModelSummary())
+        savers = [x for x in listeners if _is(x, "ModelCheckpoint")]
+        if savers and not self.enable_checkpointing:
+            raise ValueError(
+                "Trainer(enable_checkpointing=False) was given a ModelCheckpoint in callbacks; "
+                "drop one or the other"
+            )
+        if self.enable_checkpointing and not savers:
+            from engine.listeners import ModelCheckpoint
+
+            listeners.append(ModelCheckpoint())  # as Lightning: the latest, every epoch
         if self.max_time is not None and not any(_is(x, "Timer") for x in listeners):
             from engine.listeners import Timer
 

@@ -29,6 +29,7 @@ def _trainer(tmp_path, **kw):
     return eg.Trainer(
         logger=False,
         enable_progress_bar=False,
+        enable_checkpointing=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
         **kw,

@@ -39,7 +39,12 @@ def _data(n: int = 10) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _trainer(**kw) -> eg.Trainer:
-    kw = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False} | kw
+    kw = {
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+    } | kw
     return eg.Trainer(**kw)
 
 

@@ -43,7 +43,7 @@ class Journal(Listener):
         >>> data = [(torch.randn(4, 3), torch.randn(4, 1))] * 4
         >>> d = tempfile.mkdtemp()
         >>> trainer = eg.Trainer(max_epochs=1, logger=False, enable_progress_bar=False,
-        ...                      enable_model_summary=False,
+        ...                      enable_model_summary=False, enable_checkpointing=False,
         ...                      callbacks=[Journal(d, every_n_steps=2)])
         >>> _ = trainer.fit(task, task.init(torch.nn.Linear(3, 1)), data)
         >>> [line["step"] for line in Journal.read(d)]
