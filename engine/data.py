@@ -66,8 +66,6 @@ def _is_many(obj: Any) -> bool:
     A list counts as several dataloaders when every item is a loader-like iterable: not a
     tensor, tuple, list, dict or string (those are batches).
     """
-    import torch
-
     if not isinstance(obj, (list, tuple)) or not obj:
         return False
     batch_like = (torch.Tensor, tuple, list, dict, str, bytes)
@@ -142,8 +140,6 @@ def lookahead(loader: Iterable[Any], limit: float) -> Iterator[tuple[int, Any, b
 
 def batch_size(batch: Any) -> int:
     """The size of a batch: the first dimension of its first tensor (Lightning's rule), else 1."""
-    import torch
-
     stack: list[Any] = [batch]
     while stack:
         x = stack.pop(0)
