@@ -3,10 +3,12 @@
 Pure step functions over a frozen :class:`TrainState`, functional optimizers in
 :mod:`engine.optim`, and a thin :class:`Trainer` driver with Lightning's flags, loop semantics
 and hook names, whose listeners (:mod:`engine.listeners`) and loggers (:mod:`engine.loggers`)
-react to events but cannot change the state.
+react to events but cannot change the state. Checkpoints (:mod:`engine.checkpoint`) resume a run
+exactly, and :func:`replay` re-executes a journaled run and checks it bitwise.
 """
 
 from engine import checkpoint, data, listeners, loggers, optim, rng
+from engine._replay import Divergence, ReplayError, ReplayReport, UntrustedCodeError, replay
 from engine.events import Event, EventRecord, Listener, Stop, on
 from engine.listeners import (
     EarlyStopping,
@@ -36,12 +38,15 @@ __version__ = "0.1.0"
 __all__ = [
     "CSVLogger",
     "ConsumedStateError",
+    "Divergence",
     "EarlyStopping",
     "Journal",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelSummary",
     "ProgressBar",
+    "ReplayError",
+    "ReplayReport",
     "TensorBoardLogger",
     "Timer",
     "Event",
@@ -50,6 +55,7 @@ __all__ = [
     "Stop",
     "Task",
     "Trainer",
+    "UntrustedCodeError",
     "on",
     "EvalStep",
     "ModelView",
@@ -64,6 +70,7 @@ __all__ = [
     "loggers",
     "optim",
     "predict_step",
+    "replay",
     "rng",
     "train_step",
 ]

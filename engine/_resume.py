@@ -88,7 +88,18 @@ class CheckpointingMixin:
         """
         if self._state is None:
             raise RuntimeError("save_checkpoint(): nothing to save yet; call fit() first")
-        self._emit(Event.ON_SAVE_CHECKPOINT)
+        self._emit(Event.ON_SAVE_CHECKPOINT, checkpoint_path=os.fspath(filepath))
+        return self._write_checkpoint(filepath, metrics=metrics, asynchronous=asynchronous)
+
+    def _write_checkpoint(
+        self,
+        filepath: str | os.PathLike[str],
+        *,
+        metrics: Mapping[str, float] | None = None,
+        asynchronous: bool = False,
+    ) -> Any:
+        """save_checkpoint without the event (the journal's record of the start state)."""
+        assert self._state is not None
         listeners = {}
         for key, listener in self._keyed_listeners():
             state = listener.state_dict()
@@ -166,7 +177,7 @@ class CheckpointingMixin:
         if extra.get("train_metrics") and self.task is not None:
             self._restored_reducer = MetricReducer(self.task.reduce)
             self._restored_reducer.load_state_dict(extra["train_metrics"])
-        self._emit(Event.ON_LOAD_CHECKPOINT)
+        self._emit(Event.ON_LOAD_CHECKPOINT, checkpoint_path=str(path))
 
     @contextlib.contextmanager
     def _catch_signals(self) -> Iterator[None]:

@@ -1,4 +1,4 @@
-"""The ``engine`` command: ``engine inspect CKPT`` (more subcommands arrive with replay)."""
+"""The ``engine`` command: ``engine inspect CKPT`` and ``engine replay RUN_DIR``."""
 
 from __future__ import annotations
 
@@ -43,6 +43,39 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if info["verified"] else 1
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from engine._replay import ReplayError, replay
+
+    data = None
+    try:
+        if args.data:
+            data = _import_data(args.data)
+        report = replay(
+            args.run_dir,
+            args.from_step,
+            args.to_step,
+            trust_code=args.trust_code,
+            detect_anomaly=args.detect_anomaly,
+            data=data,
+        )
+    except (ReplayError, checkpoint.CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0 if report.identical else 1
+
+
+def _import_data(spec: str) -> object:
+    """``module:attr`` -> the object (called if callable): the training data for a replay."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--data {spec!r}: pass MODULE:ATTRIBUTE, e.g. mypkg.data:train_loader")
+    obj = getattr(importlib.import_module(module_name), attr)
+    return obj() if callable(obj) else obj
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``engine`` command; returns the exit status."""
     parser = argparse.ArgumentParser(prog="engine", description="engine's command line")
@@ -51,6 +84,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", help="a checkpoint directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_inspect)
+    p = sub.add_parser(
+        "replay",
+        help="re-execute steps of a journaled run and check them bitwise against its journal",
+        description=(
+            "Load the newest checkpoint taken before step FROM, re-execute the steps up to TO "
+            "and compare losses, learning rates and state fingerprints with the journal. Exit "
+            "status 0: bitwise identical; 1: a divergence or an anomaly; 2: an error."
+        ),
+    )
+    p.add_argument("run_dir", help="a run directory (it holds journal.jsonl)")
+    p.add_argument("--from", dest="from_step", type=int, help="first step to re-execute")
+    p.add_argument("--to", dest="to_step", type=int, help="last step to re-execute")
+    p.add_argument(
+        "--detect-anomaly",
+        action="store_true",
+        help="run steps FROM..TO under torch.autograd anomaly detection",
+    )
+    p.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="allow unpickling the run's task, model and data (this runs code from RUN_DIR)",
+    )
+    p.add_argument(
+        "--data", metavar="MODULE:ATTR", help="the training data, when the run has no data.pkl"
+    )
+    p.set_defaults(run=_replay)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

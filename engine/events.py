@@ -91,6 +91,8 @@ class EventRecord:
         outputs: the step's metrics (tensors) for ``*_batch_end``; predictions for predict.
         batch: the batch, for batch events.
         exception: the exception, for ``on_exception``.
+        checkpoint_path: the checkpoint being written or read, for ``on_save_checkpoint`` /
+            ``on_load_checkpoint``.
         trainer: the Trainer, for its read-only properties (``global_step``,
             ``num_training_batches``, ``logged_metrics``, ...).
     """
@@ -105,6 +107,7 @@ class EventRecord:
     outputs: Any = None
     batch: Any = None
     exception: BaseException | None = None
+    checkpoint_path: str | None = None
 
 
 @attrs.frozen

@@ -52,9 +52,12 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
     several).
 
     Engine-specific: ``compile`` (``True`` or ``torch.compile`` options) compiles the train and
-    eval steps. The flags ``accelerator``, ``strategy``, ``devices``, ``num_nodes``,
-    ``precision``, ``plugins``, ``sync_batchnorm`` and ``use_distributed_sampler`` accept their
-    single-process CPU values now; other values raise an error saying so.
+    eval steps; ``enable_journal`` (default ``True``, off with ``barebones`` and
+    ``fast_dev_run``) adds a :class:`~engine.listeners.Journal`, so each fit leaves a run
+    directory that :func:`engine.replay` can re-execute and check bitwise. The flags
+    ``accelerator``, ``strategy``, ``devices``, ``num_nodes``, ``precision``, ``plugins``,
+    ``sync_batchnorm`` and ``use_distributed_sampler`` accept their single-process CPU values
+    now; other values raise an error saying so.
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -111,6 +114,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         reload_dataloaders_every_n_epochs: int = 0,
         default_root_dir: str | os.PathLike[str] | None = None,
         compile: bool | Mapping[str, Any] = False,
+        enable_journal: bool | None = None,
     ) -> None:
         # -- placement and scale-out: single-process CPU until their own issues land
         later = "not supported yet: other values arrive with the device/precision/distributed work"
@@ -129,6 +133,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             ("enable_checkpointing", enable_checkpointing),
             ("enable_progress_bar", enable_progress_bar),
             ("enable_model_summary", enable_model_summary),
+            ("enable_journal", enable_journal),
         ):
             cfg.check_choice(flag, value, (None, True, False))
         if not isinstance(compile, (bool, Mapping)):
@@ -204,6 +209,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
                 "enable_checkpointing": bool(enable_checkpointing),
                 "enable_progress_bar": bool(enable_progress_bar),
                 "enable_model_summary": bool(enable_model_summary),
+                "enable_journal": bool(enable_journal),
                 "log_every_n_steps": log_every_n_steps is not None,
                 "detect_anomaly": detect_anomaly,
                 "profiler": profiler is not None,
@@ -218,12 +224,15 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
                         f"everything with per-step cost. Drop `{flag}=...` or set barebones=False."
                     )
             enable_checkpointing = enable_progress_bar = enable_model_summary = False
+            enable_journal = False
             logger = False
             self.num_sanity_val_steps = 0
         self.log_every_n_steps = log_every_n_steps if log_every_n_steps is not None else 50
         self.enable_checkpointing = enable_checkpointing is not False
         self.enable_progress_bar = enable_progress_bar is not False
         self.enable_model_summary = enable_model_summary is not False
+        # fast_dev_run is a smoke test: like its loggers and checkpoints, no journal
+        self.enable_journal = enable_journal is not False and not self.fast_dev_run
 
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
@@ -261,6 +270,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self._reducer: MetricReducer | None = None  # the current epoch's training metrics
         self._restored_reducer: MetricReducer | None = None
         self.ckpt_path: str | None = None  # the checkpoint the current run resumed from
+        self.train_dataloader: Any = None  # what fit() trains on (Lightning's attribute)
+        self.datamodule: Any = None  # the datamodule fit() was given, if any
         self._phase = "between"  # where the fit loop is (saved with checkpoints)
         self._resume_phase: str | None = None  # the phase a restored checkpoint was saved in
 
@@ -304,6 +315,10 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             from engine.listeners import ModelCheckpoint
 
             listeners.append(ModelCheckpoint())  # as Lightning: the latest, every epoch
+        if self.enable_journal and not any(_is(x, "Journal") for x in listeners):
+            from engine.listeners import Journal
+
+            listeners.append(Journal())  # the run directory's record, for replay
         if self.max_time is not None and not any(_is(x, "Timer") for x in listeners):
             from engine.listeners import Timer
 
@@ -335,6 +350,16 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             if d:
                 return str(d)
         return self.default_root_dir
+
+    @property
+    def run_dir(self) -> str | None:
+        """The run directory the journal writes (see :func:`engine.replay`): the first logger's
+        ``log_dir``, or ``<default_root_dir>/lightning_logs/version_N`` without one;
+        ``None`` before a fit or without a journal."""
+        for listener in self.callbacks:
+            if _is(listener, "Journal") and listener.dirpath is not None:
+                return str(listener.dirpath)
+        return None
 
     def _metrics_view(self) -> Mapping[str, float]:
         # An immutable snapshot for event records, rebuilt only when the metrics changed (one
@@ -461,6 +486,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
                 f"Trainer.fit() takes exactly one training dataloader (got {len(train_loaders)})"
             )
         val_loaders = resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
+        self.train_dataloader, self.datamodule = train_loaders[0], datamodule
         self._total_batch_idx = 0  # a checkpoint, if given, restores these
         self._phase, self._resume_phase = "between", None
         with self._run("fit", task, state, ckpt_path):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 
-import cloudpickle
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import engine as eg
 from engine import optim
+from engine._replay import loads_code
 from engine.listeners import Journal
 
 
@@ -51,7 +51,8 @@ def test_journal_lines_hold_the_steps_loss_lr_and_fingerprint(tmp_path):
     _trainer(tmp_path, max_epochs=2, callbacks=[journal, seen]).fit(
         task, task.init(nn.Linear(3, 1)), _data()
     )
-    lines = Journal.read(tmp_path / "run")
+    start, *lines = Journal.read(tmp_path / "run")
+    assert start["start"] and start["step"] == 0 and "loss" not in start
     assert [x["step"] for x in lines] == [2, 4, 6, 8, 10]
     for line in lines:
         assert line["loss"] == seen.losses[line["step"]]
@@ -68,7 +69,7 @@ def test_the_task_is_pickled_with_its_code_for_replay(tmp_path):
     _trainer(tmp_path, max_steps=2, callbacks=[Journal(tmp_path / "run")]).fit(
         task, task.init(nn.Linear(3, 1)), _data()
     )
-    again = cloudpickle.loads((tmp_path / "run" / "task.pkl").read_bytes())
+    again = loads_code((tmp_path / "run" / "task.pkl").read_bytes())
     batch = _data()[0]
     model = nn.Linear(3, 1)
     assert torch.equal(again.loss_fn(model, batch), task.loss_fn(model, batch))
@@ -94,11 +95,15 @@ def test_checkpoints_are_journaled_with_a_fingerprint_and_a_resume_appends(tmp_p
         task, task.init(nn.Linear(3, 1)), _data(), ckpt_path=tmp_path / "ckpt"
     )
     lines = Journal.read(tmp_path / "run")
-    assert [(x["step"], x.get("checkpoint", False)) for x in lines] == [
-        (3, True),
-        (5, False),
-        (5, False),
-        (10, False),  # the resumed run re-journals step 5
+    ckpt = str(tmp_path / "ckpt")
+    assert [(x["step"], x.get("checkpoint", False), x.get("start", False)) for x in lines] == [
+        (0, str(tmp_path / "run" / "start-step=0"), True),
+        (3, ckpt, False),
+        (5, False, False),
+        (3, ckpt, True),  # the resumed fit starts from the checkpoint at step 3
+        (5, False, False),  # and re-journals step 5
+        (10, False, False),
     ]
-    assert lines[0]["fingerprint"] == saver.fingerprint and "fingerprint" not in lines[1]
-    assert lines[1]["loss"] == lines[2]["loss"]  # the resumed step 5 is the same step 5
+    assert lines[1]["fingerprint"] == saver.fingerprint == lines[3]["fingerprint"]
+    assert "fingerprint" not in lines[2]
+    assert lines[2]["loss"] == lines[4]["loss"]  # the resumed step 5 is the same step 5

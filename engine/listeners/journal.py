@@ -1,10 +1,17 @@
-"""``Journal``: the run's record — configuration, the task's code, and a line per logged step.
+"""``Journal``: the run directory's record — configuration, code, data, a line per logged step.
 
-A journal is what a replay checks itself against: JSON lines of ``step``, ``epoch``,
-``batch_idx``, ``loss`` and ``lr``, plus the state's ``fingerprint`` every
-``fingerprint_every_n_steps`` steps and at every checkpoint. Beside it, ``config.json`` (the
-Trainer's flags) and ``task.pkl`` (the task's functions, pickled with cloudpickle so a run can
-be re-executed without its script; loading it runs code, so replay asks for explicit trust).
+A journal is what :func:`engine.replay` checks a re-execution against. The run directory holds:
+
+* ``journal.jsonl``: JSON lines of ``step``, ``epoch``, ``batch_idx``, ``loss`` and ``lr`` every
+  ``every_n_steps`` optimizer steps, the state's ``fingerprint`` every
+  ``fingerprint_every_n_steps`` steps, and a line (with fingerprint and path) for every
+  checkpoint, including the state the fit started from;
+* ``config.json``: the Trainer's flags;
+* ``task.pkl``, ``model.pkl``, ``data.pkl``: the task's functions, the model's structure (its
+  tensors as shapes only) and the training data source, pickled with cloudpickle so the run can be
+  re-executed without its script. Loading them runs code, so replay asks for explicit trust;
+* ``start-step=N``: a checkpoint of the state the fit started from (a fit that resumes from a
+  checkpoint journals that checkpoint instead).
 """
 
 from __future__ import annotations
@@ -21,18 +28,33 @@ from engine.events import EventRecord, Listener
 
 __all__ = ["Journal"]
 
-JOURNAL, CONFIG, TASK = "journal.jsonl", "config.json", "task.pkl"
+JOURNAL, CONFIG, TASK, MODEL, DATA = (
+    "journal.jsonl",
+    "config.json",
+    "task.pkl",
+    "model.pkl",
+    "data.pkl",
+)
 
 
 class Journal(Listener):
-    """Write the run directory's journal while fitting.
+    """Write the run directory: configuration, code, data, the start state and the journal.
+
+    The Trainer adds one to every fit unless ``enable_journal=False`` (or ``barebones`` /
+    ``fast_dev_run``).
 
     Args:
-        dirpath: the run directory; default the trainer's ``log_dir``.
+        dirpath: the run directory; default the first logger's ``log_dir``, or a new
+            ``<default_root_dir>/lightning_logs/version_N`` when there is no logger.
         every_n_steps: a line every this many optimizer steps (default: the trainer's
             ``log_every_n_steps``). Each line reads the loss on the host: one sync.
         fingerprint_every_n_steps: add the state's fingerprint (a hash of every byte of the
             state) every this many steps; ``0`` only at checkpoints.
+        replayable: also save what a replay needs: the task, the model's structure, the
+            training data (when it pickles to at most ``max_data_bytes``) and a checkpoint of
+            the start state (one more copy of the state on disk, written in the background).
+        max_data_bytes: the largest pickled data source saved; a larger one (an in-memory
+            dataset, say) is left out with a warning, and a replay then takes ``data=``.
 
     Example:
         >>> import tempfile, torch, torch.nn.functional as F
@@ -46,8 +68,8 @@ class Journal(Listener):
         ...                      enable_model_summary=False, enable_checkpointing=False,
         ...                      callbacks=[Journal(d, every_n_steps=2)])
         >>> _ = trainer.fit(task, task.init(torch.nn.Linear(3, 1)), data)
-        >>> [line["step"] for line in Journal.read(d)]
-        [2, 4]
+        >>> [(line["step"], "checkpoint" in line) for line in Journal.read(d)]
+        [(0, True), (2, False), (4, False)]
     """
 
     def __init__(
@@ -56,18 +78,25 @@ class Journal(Listener):
         *,
         every_n_steps: int | None = None,
         fingerprint_every_n_steps: int = 100,
+        replayable: bool = True,
+        max_data_bytes: int = 256 * 2**20,
     ) -> None:
         for name, value in (
             ("every_n_steps", every_n_steps),
             ("fingerprint_every_n_steps", fingerprint_every_n_steps),
+            ("max_data_bytes", max_data_bytes),
         ):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
                 raise ValueError(f"Journal({name}={value!r}): pass an int >= 0")
+        if not isinstance(replayable, bool):
+            raise ValueError(f"Journal(replayable={replayable!r}): pass True or False")
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every_n_steps = every_n_steps
         self.fingerprint_every_n_steps = fingerprint_every_n_steps
+        self.replayable = replayable
+        self.max_data_bytes = max_data_bytes
         self._file: IO[str] | None = None
         self._last_step = -1
 
@@ -75,14 +104,27 @@ class Journal(Listener):
 
     def on_fit_start(self, rec: EventRecord) -> None:
         trainer = rec.trainer
-        root = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir)
+        root = self.dirpath or _run_dir(trainer)
         root.mkdir(parents=True, exist_ok=True)
         self.dirpath = root
         if self.every_n_steps is None:
             self.every_n_steps = trainer.log_every_n_steps
         (root / CONFIG).write_text(json.dumps(_config(trainer), indent=2, sort_keys=True))
-        self._save_task(trainer.task, root / TASK)
         self._file = open(root / JOURNAL, "a")  # noqa: SIM115 - open for the whole fit
+        if not self.replayable or rec.state is None:
+            return
+        from engine._replay import dump_skeleton, dumps_code
+
+        self._dump(root / TASK, "the task", lambda: dumps_code(trainer.task))
+        self._dump(root / MODEL, "the model's structure", lambda: dump_skeleton(rec.state))
+        source = trainer.datamodule if trainer.datamodule is not None else trainer.train_dataloader
+        limit = self.max_data_bytes
+        self._dump(root / DATA, "the training data", lambda: dumps_code(source), limit)
+        start = trainer.ckpt_path  # a resumed fit starts from that checkpoint
+        if start is None:  # else the state it was given: saved beside the journal
+            start = str(root / f"start-step={rec.state.step}")
+            trainer._write_checkpoint(start, asynchronous=True)
+        self._write(rec, loss=None, fingerprint=True, checkpoint=os.path.abspath(start), start=True)
 
     def on_train_batch_end(self, rec: EventRecord) -> None:
         state = rec.state
@@ -96,7 +138,8 @@ class Journal(Listener):
 
     def on_save_checkpoint(self, rec: EventRecord) -> None:
         if self._file is not None and rec.state is not None:
-            self._write(rec, loss=None, fingerprint=True, checkpoint=True)
+            path = os.path.abspath(rec.checkpoint_path) if rec.checkpoint_path else True
+            self._write(rec, loss=None, fingerprint=True, checkpoint=path)
 
     def on_train_end(self, rec: EventRecord) -> None:
         self._close()
@@ -107,7 +150,13 @@ class Journal(Listener):
     # ------------------------------------------------------------------ writing and reading
 
     def _write(
-        self, rec: EventRecord, *, loss: Any, fingerprint: bool, checkpoint: bool = False
+        self,
+        rec: EventRecord,
+        *,
+        loss: Any,
+        fingerprint: bool,
+        checkpoint: str | bool = False,
+        start: bool = False,
     ) -> None:
         assert self._file is not None and rec.state is not None
         state = rec.state
@@ -116,6 +165,8 @@ class Journal(Listener):
             "epoch": state.epoch,
             "batch_idx": state.batch_idx,
         }
+        if state.micro_step:
+            line["micro_step"] = state.micro_step
         if loss is not None:
             line["loss"] = float(loss)  # the one host sync of a journal line
         lr = getattr(rec.trainer.task, "lr", None)
@@ -124,10 +175,13 @@ class Journal(Listener):
         if fingerprint:
             line["fingerprint"] = state.fingerprint()
         if checkpoint:
-            line["checkpoint"] = True
+            line["checkpoint"] = checkpoint
+        if start:
+            line["start"] = True
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
-        self._last_step = state.step
+        if not checkpoint:
+            self._last_step = state.step
 
     def _close(self) -> None:
         if self._file is not None:
@@ -137,17 +191,29 @@ class Journal(Listener):
             self._file = None
 
     @staticmethod
-    def _save_task(task: Any, path: Path) -> None:
+    def _dump(path: Path, what: str, dumps: Any, limit: int | None = None) -> None:
         try:
-            import cloudpickle
-
-            path.write_bytes(cloudpickle.dumps(task))
-        except Exception as e:  # a task closing over something unpicklable
+            payload = dumps()
+        except Exception as e:  # something closing over an unpicklable object
+            path.unlink(missing_ok=True)
             warnings.warn(
-                f"Journal: the task could not be pickled ({e}); the run cannot be replayed "
-                "without its script",
+                f"Journal: {what} could not be pickled ({type(e).__name__}: {e}); replaying this "
+                "run needs it passed in (engine.replay(..., data=...) for the data)",
                 stacklevel=2,
             )
+            return
+        if limit is not None and len(payload) > limit:
+            path.unlink(missing_ok=True)
+            warnings.warn(
+                f"Journal: {what} pickles to {len(payload) / 2**20:.0f} MiB, more than "
+                f"max_data_bytes={limit}; it is not saved and a replay of this run takes it as "
+                "engine.replay(..., data=...)",
+                stacklevel=2,
+            )
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(payload)
+        os.replace(tmp, path)
 
     @staticmethod
     def read(dirpath: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -156,10 +222,22 @@ class Journal(Listener):
             return [json.loads(line) for line in f if line.strip()]
 
 
+def _run_dir(trainer: Any) -> Path:
+    for lg in trainer.loggers:
+        if getattr(lg, "log_dir", None):
+            return Path(lg.log_dir)
+    from engine.loggers.base import next_version
+
+    root = Path(trainer.default_root_dir) / "lightning_logs"
+    return root / f"version_{next_version(root)}"
+
+
 def _config(trainer: Any) -> dict[str, Any]:
     keep = (int, float, str, bool, type(None))
-    config = {
+    config: dict[str, Any] = {
         k: v for k, v in vars(trainer).items() if not k.startswith("_") and isinstance(v, keep)
     }
+    if isinstance(trainer.compile, dict):
+        config["compile"] = trainer.compile
     config["torch_version"] = torch.__version__
     return config

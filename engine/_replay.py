@@ -1,0 +1,542 @@
+"""Replay: re-execute a stretch of a journaled run and check it, bitwise, against its journal.
+
+A fit leaves a run directory (see :class:`engine.listeners.Journal`): the journal's lines (loss,
+learning rate and state fingerprints at known steps), checkpoints, and the task, the model's
+structure and the data pickled with cloudpickle. :func:`replay` loads the newest checkpoint taken
+before step ``from_step``, runs the optimizer steps up to ``to_step`` again, and compares every
+journaled value on the way. Steps are numbered as in the journal: the line ``"step": n`` is
+written after the ``n``-th optimizer step, so replaying ``from_step=n`` re-executes that step.
+
+The typical use is a loss that turned NaN: the journal shows roughly where, a replay of that
+stretch names the first step with a non-finite loss, and replaying exactly that step with
+``detect_anomaly=True`` reports the backward function that produced the NaN and the forward line
+that called it (see docs/checkpoints.md).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import linecache
+import math
+import os
+import pickle
+import tempfile
+import types
+import warnings
+from collections import ChainMap
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor, nn
+
+from engine import checkpoint
+from engine.events import EventRecord, Listener
+from engine.optim.base import GradientTransformation
+from engine.state import TrainState
+
+__all__ = [
+    "Divergence",
+    "ReplayError",
+    "ReplayReport",
+    "UntrustedCodeError",
+    "dump_skeleton",
+    "dumps_code",
+    "load_skeleton",
+    "loads_code",
+    "replay",
+]
+
+JOURNAL, CONFIG, TASK, MODEL, DATA = (
+    "journal.jsonl",
+    "config.json",
+    "task.pkl",
+    "model.pkl",
+    "data.pkl",
+)
+
+# the Trainer flags that decide what the training steps compute (the rest only observe)
+_REPLAYED_FLAGS = (
+    "limit_train_batches",
+    "accumulate_grad_batches",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "deterministic",
+    "inference_mode",
+    "reload_dataloaders_every_n_epochs",
+    "compile",
+)
+
+
+class ReplayError(RuntimeError):
+    """The run directory cannot be replayed as asked (missing files, steps out of range)."""
+
+
+class UntrustedCodeError(ReplayError):
+    """Replay needs to unpickle the run's code and was not told to trust it."""
+
+
+@attrs.frozen
+class Divergence:
+    """The first journaled point where the replay differs.
+
+    Attributes:
+        step: the optimizer step (journal numbering).
+        epoch: the epoch at that point.
+        batch_idx: batches consumed in that epoch.
+        values: for each differing quantity (``"loss"``, ``"lr"``, ``"fingerprint"``), the pair
+            ``(journal, replay)``.
+    """
+
+    step: int
+    epoch: int
+    batch_idx: int
+    values: Mapping[str, tuple[Any, Any]]
+
+    def __str__(self) -> str:
+        diffs = "; ".join(
+            f"{k}: journal {a!r} != replay {b!r}" for k, (a, b) in self.values.items()
+        )
+        return f"step {self.step} (epoch {self.epoch}, batch {self.batch_idx}): {diffs}"
+
+
+@attrs.frozen
+class ReplayReport:
+    """What a replay did and found.
+
+    Attributes:
+        run_dir: the run directory.
+        checkpoint: the checkpoint the replay started from.
+        start_step: that checkpoint's step.
+        from_step: the first step asked for.
+        to_step: the last step asked for.
+        steps: optimizer steps re-executed (from ``start_step + 1``).
+        compared: journaled values compared (losses, learning rates, fingerprints).
+        divergence: the first difference, or ``None``.
+        first_nonfinite_step: the first re-executed step whose loss was NaN or infinite.
+        losses: each re-executed step's loss.
+        anomaly: with ``detect_anomaly``, the error anomaly detection raised (and the forward
+            traceback it printed), else ``None``.
+        anomaly_step: the step that raised it.
+    """
+
+    run_dir: str
+    checkpoint: str
+    start_step: int
+    from_step: int
+    to_step: int
+    steps: int
+    compared: int
+    divergence: Divergence | None = None
+    first_nonfinite_step: int | None = None
+    losses: Mapping[int, float] = attrs.field(factory=dict)
+    anomaly: str | None = None
+    anomaly_step: int | None = None
+
+    @property
+    def identical(self) -> bool:
+        """Whether every re-executed step matched the journal bitwise."""
+        return self.divergence is None and self.anomaly is None
+
+    def __str__(self) -> str:
+        head = (
+            f"replayed {self.steps} step{'s' * (self.steps != 1)} "
+            f"({self.start_step + 1}..{self.start_step + self.steps}) from {self.checkpoint} "
+            f"(step {self.start_step})"
+        )
+        if self.anomaly is not None:
+            out = f"{head}; anomaly detected at step {self.anomaly_step}:\n{self.anomaly}"
+        elif self.divergence is not None:
+            out = f"{head}; first divergence at {self.divergence}"
+        else:
+            out = f"{head}: bitwise identical ({self.compared} journaled values compared)"
+        if self.first_nonfinite_step is not None:
+            loss = self.losses[self.first_nonfinite_step]
+            out += f"\nfirst non-finite loss: step {self.first_nonfinite_step} (loss {loss})"
+        return out
+
+
+# --------------------------------------------------------------------------- pickling code
+
+_CODE_FORMAT = "engine-code-v1"
+
+
+def _meta_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, parameter: bool, requires_grad: bool
+) -> Tensor:
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return nn.Parameter(t, requires_grad=requires_grad) if parameter else t
+
+
+def dumps_code(obj: Any, *, shapes_only: Iterable[Tensor] = ()) -> bytes:
+    """Pickle ``obj`` with cloudpickle, keeping what a debugger needs and dropping weights.
+
+    Code pickled by value keeps its file name, and the source lines of those files travel in the
+    payload, so tracebacks of a replay (anomaly detection's forward traceback, say) show the
+    original lines even where the script is gone. The tensors in ``shapes_only`` are reduced to
+    their shape and dtype (they load as ``meta`` tensors).
+    """
+    import cloudpickle
+
+    reduce_code = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
+    ids = {id(t) for t in shapes_only}
+    sources: dict[str, list[str]] = {}
+
+    def keep_filename(code: types.CodeType) -> Any:
+        assert reduce_code is not None
+        fn, args = reduce_code(code)
+        name = code.co_filename
+        if name not in sources:
+            sources[name] = linecache.getlines(name)
+        return fn, tuple(name if a == "<dynamic-code>" else a for a in args)
+
+    class _Pickler(cloudpickle.Pickler):
+        if reduce_code is not None:  # cloudpickle's code reducer; without it, names are lost
+            dispatch_table = ChainMap(
+                {types.CodeType: keep_filename}, cloudpickle.Pickler.dispatch_table
+            )
+
+        def reducer_override(self, x: Any) -> Any:
+            if isinstance(x, Tensor) and id(x) in ids:
+                shape = tuple(x.shape)
+                return _meta_tensor, (shape, x.dtype, isinstance(x, nn.Parameter), x.requires_grad)
+            return super().reducer_override(x)
+
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dump(obj)
+    return pickle.dumps((_CODE_FORMAT, sources, buf.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads_code(payload: bytes) -> Any:
+    """Unpickle a :func:`dumps_code` payload (this runs code from it: trusted input only) and
+    make its source lines available to tracebacks."""
+    fmt, sources, inner = pickle.loads(payload)
+    if fmt != _CODE_FORMAT:
+        raise ReplayError(f"unknown pickled-code format {fmt!r}")
+    for name, lines in sources.items():
+        if lines and not os.path.exists(name):  # the script is gone: serve its saved lines
+            linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+    return pickle.loads(inner)
+
+
+def dump_skeleton(state: TrainState) -> bytes:
+    """The state's model pickled with every parameter and buffer reduced to its shape and
+    dtype: the structure a checkpoint is loaded into, without a copy of the weights.
+
+    Example:
+        >>> import torch
+        >>> import engine as eg
+        >>> from engine import optim
+        >>> from engine._replay import dump_skeleton, load_skeleton
+        >>> state = eg.TrainState.create(torch.nn.Linear(1000, 1000), optim.sgd(0.1))
+        >>> payload = dump_skeleton(state)
+        >>> len(payload) < 4000  # the 4 MB of weights are not in it
+        True
+        >>> template = load_skeleton(payload, optim.sgd(0.1))
+        >>> template.params["weight"].shape
+        torch.Size([1000, 1000])
+    """
+    if state.module is not None:
+        tensors = [*state.module.parameters(), *state.module.buffers()]
+        return dumps_code(("module", state.module), shapes_only=tensors)
+    obj = ("tensors", {"params": state.params, "buffers": state.buffers})
+    return dumps_code(obj, shapes_only=[*state.params.values(), *state.buffers.values()])
+
+
+def load_skeleton(payload: bytes, tx: GradientTransformation) -> TrainState:
+    """A state of the skeleton's structure (uninitialised CPU tensors) to load a checkpoint into.
+
+    Unpickling runs code from ``payload``: only for trusted run directories.
+    """
+    kind, obj = loads_code(payload)
+    if kind == "module":
+        module = obj.to_empty(device="cpu")
+        return TrainState.create(module, tx)
+
+    def materialize(d: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {k: torch.empty(v.shape, dtype=v.dtype) for k, v in d.items()}
+
+    return TrainState.create(materialize(obj["params"]), tx, buffers=materialize(obj["buffers"]))
+
+
+# --------------------------------------------------------------------------- replay
+
+
+class _Diverged(Exception):
+    def __init__(self, divergence: Divergence) -> None:
+        super().__init__(str(divergence))
+        self.divergence = divergence
+
+
+def _key(step: int, epoch: int, batch_idx: int, micro_step: int) -> tuple[int, int, int, int]:
+    return step, epoch, batch_idx, micro_step
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        # bitwise for floats as JSON carries them; NaN equals NaN here
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return bool(a == b)
+
+
+class _Checker(Listener):
+    """Compares the replayed run with the journal as it goes; records losses."""
+
+    def __init__(
+        self,
+        expected: dict[tuple[int, int, int, int], list[dict[str, Any]]],
+        start_line: dict[str, Any],
+        span: tuple[int, int],
+        detect_anomaly: bool,
+    ) -> None:
+        self.expected = expected
+        self.start_line = start_line
+        self.span = span
+        self.detect_anomaly = detect_anomaly
+        self.compared = 0
+        self.steps = 0
+        self.current = 0  # the step being executed
+        self.losses: dict[int, float] = {}
+        self.first_nonfinite: int | None = None
+
+    def on_train_start(self, rec: EventRecord) -> None:
+        state = rec.state
+        assert state is not None
+        journaled = self.start_line.get("fingerprint")
+        if journaled is not None:
+            self.compared += 1
+            if journaled != state.fingerprint():
+                raise _Diverged(
+                    Divergence(
+                        state.step,
+                        state.epoch,
+                        state.batch_idx,
+                        {"fingerprint": (journaled, state.fingerprint())},
+                    )
+                )
+
+    def on_train_batch_start(self, rec: EventRecord) -> None:
+        assert rec.state is not None
+        self.current = rec.state.step + 1
+        if self.detect_anomaly:
+            lo, hi = self.span
+            torch.autograd.set_detect_anomaly(lo <= self.current <= hi)
+
+    def on_train_batch_end(self, rec: EventRecord) -> None:
+        state = rec.state
+        assert state is not None
+        loss = rec.outputs.get("loss") if isinstance(rec.outputs, Mapping) else None
+        if state.micro_step == 0:
+            self.steps += 1
+            if loss is not None:
+                value = float(loss)
+                self.losses[state.step] = value
+                if self.first_nonfinite is None and not math.isfinite(value):
+                    self.first_nonfinite = state.step
+        lines = self.expected.get(_key(state.step, state.epoch, state.batch_idx, state.micro_step))
+        if not lines:
+            return
+        fingerprint = None
+        for line in lines:
+            diffs: dict[str, tuple[Any, Any]] = {}
+            if "loss" in line and loss is not None:
+                self.compared += 1
+                if not _same(line["loss"], float(loss)):
+                    diffs["loss"] = (line["loss"], float(loss))
+            if "lr" in line:
+                lr = getattr(rec.trainer.task, "lr", None)
+                value = float(lr(state.step) if callable(lr) else lr)  # type: ignore[arg-type]
+                self.compared += 1
+                if not _same(line["lr"], value):
+                    diffs["lr"] = (line["lr"], value)
+            if "fingerprint" in line:
+                fingerprint = fingerprint or state.fingerprint()
+                self.compared += 1
+                if line["fingerprint"] != fingerprint:
+                    diffs["fingerprint"] = (line["fingerprint"], fingerprint)
+            if diffs:
+                raise _Diverged(Divergence(state.step, state.epoch, state.batch_idx, diffs))
+
+
+def _find_checkpoint(root: Path, lines: list[dict[str, Any]], from_step: int) -> tuple[Path, dict]:
+    """The newest verified checkpoint journaled before step ``from_step`` ran."""
+    candidates = [
+        x for x in lines if isinstance(x.get("checkpoint"), str) and x["step"] < from_step
+    ]
+    candidates.sort(key=lambda x: (x["step"], x.get("micro_step", 0)), reverse=True)
+    for line in candidates:
+        journaled = Path(line["checkpoint"])
+        # the run directory may have moved since: look for the checkpoint beside the journal too
+        for path in (journaled, root / journaled.name, root / "checkpoints" / journaled.name):
+            if (path / checkpoint.META).is_file():
+                info = checkpoint.inspect(path)
+                if info["verified"]:
+                    return path, line
+                warnings.warn(
+                    f"replay: checkpoint {path} fails verification ({info['problem']}); trying "
+                    "an older one",
+                    stacklevel=3,
+                )
+                break
+    listed = sorted({x["step"] for x in candidates})
+    raise ReplayError(
+        f"{root}: no loadable checkpoint taken before step {from_step} (journaled checkpoint "
+        f"steps before it: {listed or 'none'}); replay from a later step, or keep more "
+        "checkpoints (ModelCheckpoint(save_top_k=-1, every_n_train_steps=...))"
+    )
+
+
+def _untrusted(root: Path) -> UntrustedCodeError:
+    return UntrustedCodeError(
+        f"replaying {root} unpickles {TASK}, {MODEL} and {DATA} (cloudpickle): the task's "
+        "functions, the model's class and the data pipeline, which runs code from those files. "
+        "Pass trust_code=True (command line: --trust-code) only for a run directory you trust."
+    )
+
+
+def replay(
+    run_dir: str | os.PathLike[str],
+    from_step: int | None = None,
+    to_step: int | None = None,
+    *,
+    trust_code: bool = False,
+    detect_anomaly: bool = False,
+    data: Any = None,
+) -> ReplayReport:
+    """Re-execute steps ``from_step`` to ``to_step`` of a journaled run and compare them with
+    its journal.
+
+    Args:
+        run_dir: a run directory written by :class:`~engine.listeners.Journal` (each fit writes
+            one by default).
+        from_step: the first optimizer step to re-execute (default: the one after the earliest
+            journaled checkpoint). The replay starts at the newest checkpoint taken before it
+            and re-executes (and checks) the steps in between too.
+        to_step: the last step to re-execute (default: the last journaled step).
+        trust_code: allow unpickling the run's task, model structure and data (which runs code
+            from the run directory). Required.
+        detect_anomaly: run steps ``from_step`` .. ``to_step`` under
+            ``torch.autograd.detect_anomaly``; the first anomaly ends the replay and is reported
+            with the forward traceback.
+        data: the training data (a dataloader or a datamodule) when the run directory has none
+            (a data source too large to pickle).
+
+    Returns:
+        A :class:`ReplayReport`; ``report.identical`` says whether everything matched, and
+        ``str(report)`` says what was replayed and the first difference with both values.
+
+    Raises:
+        UntrustedCodeError: without ``trust_code=True``.
+        ReplayError: if the directory is not a replayable run or the steps are out of range.
+        engine.checkpoint.CheckpointError: if the checkpoint does not fit the model.
+    """
+    from engine.listeners.journal import Journal
+    from engine.trainer import Trainer
+
+    root = Path(run_dir)
+    if not (root / JOURNAL).is_file():
+        raise ReplayError(
+            f"{root} has no {JOURNAL}: not a run directory (a fit writes one unless "
+            "Trainer(enable_journal=False))"
+        )
+    lines = Journal.read(root)
+    steps = [x["step"] for x in lines]
+    checkpointed = [x["step"] for x in lines if isinstance(x.get("checkpoint"), str)]
+    if from_step is None:
+        from_step = (min(checkpointed) if checkpointed else 0) + 1
+    if to_step is None:
+        to_step = max(steps)
+    for name, value in (("from_step", from_step), ("to_step", to_step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ReplayError(f"{name}={value!r}: pass a step number >= 1")
+    if to_step < from_step:
+        raise ReplayError(f"to_step={to_step} is before from_step={from_step}")
+    if to_step > max(steps):
+        raise ReplayError(
+            f"to_step={to_step} is past the journal's last step ({max(steps)}); nothing to compare"
+        )
+    ckpt, start_line = _find_checkpoint(root, lines, from_step)
+    if not trust_code:
+        raise _untrusted(root)
+    for name in (TASK, MODEL):
+        if not (root / name).is_file():
+            raise ReplayError(
+                f"{root / name} is missing: the run was journaled with Journal(replayable=False) "
+                "or its task could not be pickled (see the warning of that run)"
+            )
+    task = loads_code((root / TASK).read_bytes())
+    template = load_skeleton((root / MODEL).read_bytes(), task.tx)
+    if data is None:
+        if not (root / DATA).is_file():
+            raise ReplayError(
+                f"{root / DATA} is missing (the data source did not pickle, or was larger than "
+                "Journal(max_data_bytes=...)); pass the training data as replay(..., data=...)"
+            )
+        data = loads_code((root / DATA).read_bytes())
+    config = json.loads((root / CONFIG).read_text()) if (root / CONFIG).is_file() else {}
+    flags = {k: config[k] for k in _REPLAYED_FLAGS if k in config}
+
+    # the values to compare: every journal line of a step the replay executes
+    expected: dict[tuple[int, int, int, int], list[dict[str, Any]]] = {}
+    start_key = (start_line["step"], start_line.get("micro_step", 0))
+    for line in lines:
+        if (line["step"], line.get("micro_step", 0)) <= start_key or line["step"] > to_step:
+            continue
+        key = _key(line["step"], line["epoch"], line["batch_idx"], line.get("micro_step", 0))
+        expected.setdefault(key, []).append(line)
+    checker = _Checker(expected, start_line, (from_step, to_step), detect_anomaly)
+
+    anomaly_was = torch.is_anomaly_enabled()
+    anomaly: str | None = None
+    anomaly_step: int | None = None
+    divergence: Divergence | None = None
+    with tempfile.TemporaryDirectory(prefix="engine-replay-") as scratch:
+        trainer = Trainer(
+            max_steps=to_step,
+            max_epochs=-1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_journal=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            callbacks=[checker],
+            default_root_dir=scratch,
+            **flags,
+        )
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.fit(task, template, data, ckpt_path=str(ckpt))
+        except _Diverged as e:
+            divergence = e.divergence
+        except RuntimeError as e:
+            if not (detect_anomaly and torch.is_anomaly_enabled()):
+                raise
+            anomaly_step = checker.current
+            forward = [str(w.message) for w in caught if "forward call" in str(w.message)]
+            anomaly = "\n".join([f"{type(e).__name__}: {e}", *forward])
+        finally:
+            torch.autograd.set_detect_anomaly(anomaly_was)
+        for w in caught:  # pass on what the replay warned about
+            if "forward call" not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return ReplayReport(
+        run_dir=str(root),
+        checkpoint=str(ckpt),
+        start_step=int(start_line["step"]),
+        from_step=from_step,
+        to_step=to_step,
+        steps=checker.steps,
+        compared=checker.compared,
+        divergence=divergence,
+        first_nonfinite_step=checker.first_nonfinite,
+        losses=dict(checker.losses),
+        anomaly=anomaly,
+        anomaly_step=anomaly_step,
+    )

@@ -1,0 +1,262 @@
+"""Replay: a journaled run re-executes bitwise, a tampered journal or different data is caught at
+the first differing step with both values, a NaN is traced to its step and its backward function,
+and pickled code loads only when trusted."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import engine as eg
+from engine import optim
+from engine.listeners import Journal
+
+
+def _task() -> eg.Task:
+    sched = optim.cosine_decay(0.05, 40)
+    return eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.adamw(sched), lr=sched)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 16), nn.Dropout(0.3), nn.Linear(16, 1))
+
+
+def _data(n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]
+
+
+def _fit(tmp_path: Path, task: eg.Task | None = None, data=None, **kw) -> eg.Trainer:
+    task = task or _task()
+    flags = dict(
+        max_epochs=4,
+        log_every_n_steps=2,
+        accumulate_grad_batches=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        default_root_dir=tmp_path,
+    )
+    flags.update(kw)
+    trainer = eg.Trainer(**flags)
+    trainer.fit(task, task.init(_model(), seed=7), data if data is not None else _data())
+    return trainer
+
+
+def test_each_fit_writes_a_replayable_run_directory(tmp_path):
+    trainer = _fit(tmp_path)
+    run = Path(trainer.run_dir)
+    assert run == tmp_path / "lightning_logs" / "version_0"
+    assert {"journal.jsonl", "config.json", "task.pkl", "model.pkl", "data.pkl"} <= {
+        p.name for p in run.iterdir()
+    }
+    lines = Journal.read(run)
+    start = lines[0]
+    assert start["start"] and start["step"] == 0 and Path(start["checkpoint"]).is_dir()
+    # the model's structure is saved without its weights
+    assert (run / "model.pkl").stat().st_size < 8000
+    # the start checkpoint is the state the fit began with
+    template = _task().init(_model(), seed=7)
+    assert eg.checkpoint.load(start["checkpoint"], template).fingerprint() == start["fingerprint"]
+
+
+def test_a_replay_of_the_whole_run_is_bitwise_identical(tmp_path):
+    trainer = _fit(tmp_path)
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    last = max(x["step"] for x in Journal.read(trainer.run_dir))
+    assert report.identical, str(report)
+    assert report.steps == last == trainer.global_step == 12
+    assert report.compared >= 12  # losses, learning rates and fingerprints along the way
+    assert "bitwise identical" in str(report)
+
+
+def test_replay_starts_from_the_newest_checkpoint_before_from_step(tmp_path):
+    saver = eg.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
+    trainer = _fit(tmp_path, callbacks=[saver])
+    report = eg.replay(trainer.run_dir, 7, 9, trust_code=True)
+    assert report.identical, str(report)
+    assert report.start_step == 6 and Path(report.checkpoint).name.endswith("step=6")
+    assert report.steps == 3  # steps 7, 8 and 9
+    assert sorted(report.losses) == [7, 8, 9]
+
+
+def test_a_tampered_journal_is_reported_at_its_step_with_both_values(tmp_path):
+    trainer = _fit(tmp_path)
+    path = Path(trainer.run_dir) / "journal.jsonl"
+    lines = Journal.read(trainer.run_dir)
+    target = next(x for x in lines if x["step"] == 6 and "loss" in x)
+    original = target["loss"]
+    target["loss"] = original * (1 + 2**-20)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert not report.identical
+    assert report.divergence is not None and report.divergence.step == 6
+    assert report.divergence.values["loss"] == (target["loss"], original)
+    assert "step 6" in str(report) and "loss" in str(report)
+
+
+def test_different_data_is_caught_at_the_first_journaled_value(tmp_path):
+    trainer = _fit(tmp_path)
+    other = _data()
+    other[3] = (other[3][0] + 1e-3, other[3][1])  # one input, a tiny bit off
+    report = eg.replay(trainer.run_dir, trust_code=True, data=other)
+    assert report.divergence is not None
+    # batch 3 feeds step 2 (accumulation of 2): the first journaled value after it differs
+    assert report.divergence.step == 2
+
+
+def test_replay_refuses_pickled_code_unless_trusted_and_runs_nothing(tmp_path):
+    trainer = _fit(tmp_path)
+    run = Path(trainer.run_dir)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    import pickle
+
+    (run / "task.pkl").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(eg.UntrustedCodeError, match="trust_code=True"):
+        eg.replay(run)
+    assert not marker.exists()
+
+
+def test_steps_out_of_range_and_missing_runs_are_clear_errors(tmp_path):
+    trainer = _fit(tmp_path)
+    with pytest.raises(eg.ReplayError, match="past the journal's last step"):
+        eg.replay(trainer.run_dir, 1, 999, trust_code=True)
+    with pytest.raises(eg.ReplayError, match="before from_step"):
+        eg.replay(trainer.run_dir, 5, 4, trust_code=True)
+    with pytest.raises(eg.ReplayError, match="not a run directory"):
+        eg.replay(tmp_path / "nowhere", trust_code=True)
+    shutil.rmtree(Path(trainer.run_dir) / "start-step=0")
+    with pytest.raises(eg.ReplayError, match="no loadable checkpoint taken before step 3"):
+        eg.replay(trainer.run_dir, 3, 4, trust_code=True)
+
+
+def test_a_moved_run_directory_still_replays(tmp_path):
+    trainer = _fit(tmp_path)
+    moved = tmp_path / "elsewhere"
+    shutil.move(trainer.run_dir, moved)
+    assert eg.replay(moved, trust_code=True).identical
+
+
+def _nan_task() -> eg.Task:
+    def loss_fn(model, batch):
+        x, y = batch
+        out = model(x)
+        # a square root of a quantity training drives below zero: NaN after some steps
+        return F.mse_loss(out, y) + torch.sqrt(out.mean() + 3.0)
+
+    return eg.Task(loss_fn, optim.sgd(0.05), lr=0.05)
+
+
+def test_nan_hunting_finds_the_step_and_the_backward_function(tmp_path):
+    data = [(x, torch.full((4, 1), -5.0)) for x, _ in _data(5)]
+    trainer = _fit(
+        tmp_path, task=_nan_task(), data=data, accumulate_grad_batches=1, log_every_n_steps=5
+    )
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert report.identical  # NaN losses replay bitwise too
+    bad = report.first_nonfinite_step
+    assert bad is not None and all(v == v for s, v in report.losses.items() if s < bad)
+    again = eg.replay(trainer.run_dir, bad, bad, trust_code=True, detect_anomaly=True)
+    assert again.anomaly_step == bad and again.steps == bad - 1
+    assert "SqrtBackward0" in again.anomaly and "loss_fn" in again.anomaly
+    assert "torch.sqrt(out.mean() + 3.0)" in again.anomaly  # the forward line that did it
+    assert not torch.is_anomaly_enabled()
+
+
+_SCRIPT = """
+import sys
+import torch, torch.nn.functional as F
+import engine as eg
+from engine import optim
+
+def loss_fn(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(1)
+data = [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(6)]
+task = eg.Task(loss_fn, optim.adam(0.01), lr=0.01)
+trainer = eg.Trainer(max_epochs=3, log_every_n_steps=1, enable_progress_bar=False,
+                     enable_model_summary=False, logger=False, default_root_dir=sys.argv[1])
+trainer.fit(task, task.init(torch.nn.Linear(3, 1)), data)
+print(trainer.run_dir)
+"""
+
+
+def test_the_command_line_replays_a_run_without_its_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_SCRIPT))
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    run = done.stdout.strip().splitlines()[-1]
+    script.unlink()  # the replay must not need it
+    cli = [sys.executable, "-m", "engine", "replay", run]
+    refused = subprocess.run(cli, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--trust-code" in refused.stderr
+    ok = subprocess.run([*cli, "--trust-code", "--from", "4"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "bitwise identical" in ok.stdout
+    Journal_path = Path(run) / "journal.jsonl"
+    lines = [json.loads(x) for x in Journal_path.read_text().splitlines()]
+    lines[-1]["loss"] = 123.0
+    Journal_path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    diverged = subprocess.run([*cli, "--trust-code"], capture_output=True, text=True)
+    assert diverged.returncode == 1 and "123.0" in diverged.stdout
+
+
+def test_enable_journal_false_and_barebones_write_no_run_directory(tmp_path):
+    trainer = _fit(tmp_path, enable_journal=False, enable_checkpointing=False)
+    assert trainer.run_dir is None and not (tmp_path / "lightning_logs").exists()
+    task = _task()
+    bare = eg.Trainer(max_epochs=1, barebones=True, default_root_dir=tmp_path)
+    bare.fit(task, task.init(_model()), _data())
+    assert bare.run_dir is None and not (tmp_path / "lightning_logs").exists()
+    with pytest.raises(ValueError, match="enable_journal"):
+        eg.Trainer(barebones=True, enable_journal=True)
+
+
+def test_pickled_code_keeps_its_file_and_source_lines_after_the_file_is_gone(tmp_path):
+    import importlib
+    import linecache
+    import traceback
+
+    from engine._replay import dumps_code, loads_code
+
+    source = tmp_path / "gone_module.py"
+    source.write_text("def fail(x):\n    raise ValueError(f'bad {x}')  # the line to see\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = importlib.import_module("gone_module")
+        import cloudpickle
+
+        cloudpickle.register_pickle_by_value(module)  # as a script's own code travels
+        payload = dumps_code(module.fail)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("gone_module", None)
+    source.unlink()
+    linecache.clearcache()
+    fail = loads_code(payload)
+    with pytest.raises(ValueError) as info:
+        fail(1)
+    text = "".join(traceback.format_exception(info.value))
+    assert str(source) in text and "# the line to see" in text
