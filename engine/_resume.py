@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine import checkpoint
+from engine import checkpoint, data
 from engine.events import Event
 from engine.metrics import MetricReducer
 from engine.state import TrainState
@@ -40,6 +40,8 @@ class CheckpointingMixin:
     _restored_reducer: MetricReducer | None
     _phase: str
     _resume_phase: str | None
+    _data_position: Any
+    _resume_data_state: Any
     _signal: int | None
 
     if TYPE_CHECKING:  # the Trainer's methods this mixin calls
@@ -112,6 +114,10 @@ class CheckpointingMixin:
                 "stage": self.stage,
                 # where in the loop the save happened, so a resume completes that batch
                 "phase": self._phase,
+                # a stateful loader's position after the last batch consumed
+                "data_state": None
+                if self._data_position is None
+                else data.state_to_json(self._data_position),
             },
             # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
             "train_metrics": self._reducer.state_dict() if self._reducer is not None else None,
@@ -172,6 +178,8 @@ class CheckpointingMixin:
                 listener.load_state_dict(saved[key])
         extra = meta.get("extra", {})
         self._total_batch_idx = extra.get("trainer", {}).get("total_batch_idx", 0)
+        data_state = extra.get("trainer", {}).get("data_state")
+        self._resume_data_state = None if data_state is None else data.state_from_json(data_state)
         phase = extra.get("trainer", {}).get("phase")
         self._resume_phase = phase if phase in ("batch_end", "validation", "epoch_end") else None
         if extra.get("train_metrics") and self.task is not None:

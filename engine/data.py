@@ -7,20 +7,30 @@ factory); a *datamodule* is any object with ``train_dataloader()`` / ``val_datal
 
 from __future__ import annotations
 
+import base64
 import math
+import random
+import sys
 from collections.abc import Iterable, Iterator, Sequence, Sized
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
+
+from engine.rng import derive_seed
 
 __all__ = [
+    "SampleKey",
+    "SeededDataset",
     "ShuffleSampler",
     "count_batches",
     "limit_batches",
     "lookahead",
     "position_loader",
     "resolve_loaders",
+    "state_from_json",
+    "state_to_json",
+    "stateful",
 ]
 
 INF = math.inf
@@ -109,12 +119,16 @@ def limit_batches(stage: str, length: float, limit: int | float) -> float:
     return INF
 
 
-def lookahead(loader: Iterable[Any], limit: float) -> Iterator[tuple[int, Any, bool]]:
-    """Yield ``(index, batch, is_last)`` for at most ``limit`` batches.
+def lookahead(
+    loader: Iterable[Any], limit: float, *, snapshot: Any = None
+) -> Iterator[tuple[int, Any, bool, Any]]:
+    """Yield ``(index, batch, is_last, position)`` for at most ``limit`` batches.
 
     ``is_last`` is known one batch early (the next batch is fetched before the current one is
     yielded), as Lightning's data fetcher does, so an iterable without a length still gets its
-    last partial accumulation window stepped.
+    last partial accumulation window stepped. With ``snapshot`` (a stateful loader's
+    ``state_dict``), ``position`` is the loader's state right after ``batch`` was drawn — taken
+    before the next batch is fetched — else ``None``.
     """
     if limit <= 0:
         return
@@ -125,17 +139,89 @@ def lookahead(loader: Iterable[Any], limit: float) -> Iterator[tuple[int, Any, b
         return
     i = 0
     while True:
+        position = snapshot() if snapshot is not None else None
         if i + 1 >= limit:
-            yield i, current, True
+            yield i, current, True, position
             return
         try:
             nxt = next(it)
         except StopIteration:
-            yield i, current, True
+            yield i, current, True, position
             return
-        yield i, current, False
+        yield i, current, False, position
         current = nxt
         i += 1
+
+
+def stateful(loader: Any) -> bool:
+    """Whether ``loader`` saves and restores its own position (``state_dict()`` and
+    ``load_state_dict()``, as torchdata's ``StatefulDataLoader`` does)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
+
+
+def state_to_json(obj: Any) -> Any:
+    """A loader's ``state_dict`` as JSON (tensors, bytes and non-finite floats encoded), so it
+    can ride in a checkpoint's ``meta.json`` and load without running code.
+
+    Example:
+        >>> import torch
+        >>> state = {"pos": 3, "rng": torch.tensor([1, 2], dtype=torch.uint8), "t": (1, 2.5)}
+        >>> back = state_from_json(state_to_json(state))
+        >>> back["pos"], back["rng"].tolist(), back["t"]
+        (3, [1, 2], (1, 2.5))
+    """
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {
+            "$tensor": base64.b64encode(raw).decode(),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+        }
+    if isinstance(obj, bytes):
+        return {"$bytes": base64.b64encode(obj).decode()}
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"$float": repr(obj)}
+    if isinstance(obj, tuple):
+        return {"$tuple": [state_to_json(x) for x in obj]}
+    if isinstance(obj, list):
+        return [state_to_json(x) for x in obj]
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            return {"$items": [[state_to_json(k), state_to_json(v)] for k, v in obj.items()]}
+        return {k: state_to_json(v) for k, v in obj.items()}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(
+        f"a loader state_dict holds a {type(obj).__name__}, which a checkpoint cannot store "
+        "without pickling code; return tensors, numbers, strings, lists and dicts"
+    )
+
+
+def state_from_json(obj: Any) -> Any:
+    """The inverse of :func:`state_to_json`."""
+    if isinstance(obj, list):
+        return [state_from_json(x) for x in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "$tensor" in obj:
+        raw = bytearray(base64.b64decode(obj["$tensor"]))
+        dtype = getattr(torch, obj["dtype"])
+        flat = (
+            torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        )
+        return flat.view(dtype).reshape(obj["shape"]).clone()
+    if "$bytes" in obj:
+        return base64.b64decode(obj["$bytes"])
+    if "$float" in obj:
+        return float(obj["$float"])
+    if "$tuple" in obj:
+        return tuple(state_from_json(x) for x in obj["$tuple"])
+    if "$items" in obj:
+        return {state_from_json(k): state_from_json(v) for k, v in obj["$items"]}
+    return {k: state_from_json(v) for k, v in obj.items()}
 
 
 def batch_size(batch: Any) -> int:
@@ -150,6 +236,84 @@ def batch_size(batch: Any) -> int:
         elif isinstance(x, Sequence) and not isinstance(x, str):
             stack.extend(x)
     return 1
+
+
+class SampleKey(NamedTuple):
+    """The key a :class:`ShuffleSampler` gives a :class:`SeededDataset`: the epoch a sample
+    is drawn in and its index."""
+
+    epoch: int
+    idx: int
+
+
+class SeededDataset(Dataset[Any]):
+    """A map-style dataset whose per-sample randomness depends only on ``(seed, epoch, index)``.
+
+    Each ``dataset[index]`` runs with torch's CPU generator, Python's ``random`` and (when it is
+    imported) NumPy's global generator seeded from ``(seed, epoch, index)``, and restores them
+    afterwards. Random augmentations therefore draw the same numbers for a sample whichever
+    worker loads it — the batches do not depend on ``num_workers`` — and a resumed run redraws
+    exactly what the uninterrupted one drew.
+
+    Give it to a :class:`ShuffleSampler` (``ShuffleSampler(seeded_ds, seed=...)``), which then
+    yields :class:`SampleKey` s carrying the epoch, so even persistent workers see the right
+    epoch. Indexed by a plain int, it uses the epoch of its last :meth:`set_epoch` (the Trainer
+    calls it before each epoch).
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader
+        >>> class Noisy(torch.utils.data.Dataset):
+        ...     def __len__(self): return 8
+        ...     def __getitem__(self, i): return torch.rand(1) + i
+        >>> ds = SeededDataset(Noisy(), seed=0)
+        >>> def batches(workers):
+        ...     sampler = ShuffleSampler(ds, seed=1)
+        ...     return torch.cat(list(DataLoader(ds, batch_size=2, sampler=sampler,
+        ...                                      num_workers=workers)))
+        >>> torch.equal(batches(0), batches(2))
+        True
+    """
+
+    def __init__(self, dataset: Any, *, seed: int = 0) -> None:
+        if not callable(getattr(dataset, "__getitem__", None)):
+            raise TypeError(
+                f"SeededDataset wraps a map-style dataset (with __getitem__); got "
+                f"{type(dataset).__name__}"
+            )
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch that plain-int indices belong to."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: int | SampleKey | tuple[int, int]) -> Any:
+        epoch, index = (key[0], key[1]) if isinstance(key, tuple) else (self.epoch, key)
+        seed = derive_seed(self.seed, epoch, index, stream=SAMPLE)
+        np = sys.modules.get("numpy")
+        py_state = random.getstate()
+        np_state = np.random.get_state() if np is not None else None
+        gen = torch.random.default_generator
+        torch_state = gen.get_state()
+        try:
+            gen.manual_seed(seed)
+            random.seed(seed)
+            if np is not None:
+                np.random.seed(seed % 2**32)
+            return self.dataset[index]
+        finally:
+            gen.set_state(torch_state)
+            random.setstate(py_state)
+            if np is not None:
+                np.random.set_state(np_state)
+
+
+SAMPLE = 4  # derive_seed stream of per-sample randomness (engine.rng has 0-2; 3 is data order)
 
 
 class ShuffleSampler(Sampler[int]):
@@ -170,6 +334,7 @@ class ShuffleSampler(Sampler[int]):
 
     def __init__(self, data_source: Sized | int, *, seed: int = 0, shuffle: bool = True) -> None:
         self.n = data_source if isinstance(data_source, int) else len(data_source)
+        self.keyed = isinstance(data_source, SeededDataset)
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
@@ -189,13 +354,14 @@ class ShuffleSampler(Sampler[int]):
     def order(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.n))
-        from engine.rng import derive_seed
-
         g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, 0, stream=3))
         return torch.randperm(self.n, generator=g).tolist()
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.order()[self.start :])
+    def __iter__(self) -> Iterator[Any]:
+        order = self.order()[self.start :]
+        if self.keyed:  # a SeededDataset: tell it the epoch with each index
+            return iter([SampleKey(self.epoch, i) for i in order])
+        return iter(order)
 
     def __len__(self) -> int:
         return self.n
@@ -206,15 +372,17 @@ def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:
     without loading them; returns whether it did the skipping.
 
     A ``DataLoader`` whose sampler has ``set_epoch`` (:class:`ShuffleSampler`,
-    ``DistributedSampler``) gets the epoch; one with :class:`ShuffleSampler` also skips.
+    ``DistributedSampler``) gets the epoch, and so does its dataset when it has ``set_epoch``
+    (:class:`SeededDataset`); one with :class:`ShuffleSampler` also skips.
     """
     sampler = getattr(loader, "sampler", None)
     batch_sampler = getattr(loader, "batch_sampler", None)
     if sampler is None and batch_sampler is not None:
         sampler = getattr(batch_sampler, "sampler", None)
-    set_epoch = getattr(sampler, "set_epoch", None)
-    if callable(set_epoch):
-        set_epoch(epoch)
+    for obj in (sampler, getattr(loader, "dataset", None)):
+        set_epoch = getattr(obj, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
     if skip_batches and isinstance(sampler, ShuffleSampler):
         size = getattr(batch_sampler, "batch_size", None) or getattr(loader, "batch_size", None)
         if size:

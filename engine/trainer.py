@@ -31,6 +31,7 @@ from engine.data import (
     lookahead,
     position_loader,
     resolve_loaders,
+    stateful,
 )
 from engine.events import Emitter, Event, EventRecord, Stop
 from engine.metrics import MetricReducer
@@ -274,6 +275,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self.datamodule: Any = None  # the datamodule fit() was given, if any
         self._phase = "between"  # where the fit loop is (saved with checkpoints)
         self._resume_phase: str | None = None  # the phase a restored checkpoint was saved in
+        self._data_position: Any = None  # a stateful loader's state after the current batch
+        self._resume_data_state: Any = None  # ... as a restored checkpoint recorded it
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -489,6 +492,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self.train_dataloader, self.datamodule = train_loaders[0], datamodule
         self._total_batch_idx = 0  # a checkpoint, if given, restores these
         self._phase, self._resume_phase = "between", None
+        self._data_position = self._resume_data_state = None
         with self._run("fit", task, state, ckpt_path):
             self._fit(task, train_loaders[0], val_loaders, datamodule)
         assert self._state is not None
@@ -570,20 +574,27 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             # without loading them when it can, else they are fetched and dropped
             skip = self._state.batch_idx
             offset = skip if position_loader(train_loader, epoch, skip) else 0
+            restored, self._resume_data_state = self._resume_data_state, None
+            if skip and not offset and restored is not None and stateful(train_loader):
+                train_loader.load_state_dict(restored)  # it continues where it was saved
+                offset = skip
             if skip and not offset:
                 warnings.warn(
                     f"resuming mid-epoch by loading and dropping {skip} batches; give the "
-                    "DataLoader an engine.data.ShuffleSampler (map-style datasets) to skip them "
-                    "without loading",
+                    "DataLoader an engine.data.ShuffleSampler (map-style datasets) or use a "
+                    "loader with state_dict()/load_state_dict() (torchdata's "
+                    "StatefulDataLoader) to skip them without loading",
                     stacklevel=3,
                 )
             if self._resume_phase is not None:
                 self._finish_resumed_batch(skip, validate_this_epoch, evaluate, val_loaders, dm)
             batches = 0 if self._epoch_done() else self.num_training_batches - offset
-            for i, batch, is_last in lookahead(train_loader, batches):
+            snapshot = train_loader.state_dict if stateful(train_loader) else None
+            for i, batch, is_last, position in lookahead(train_loader, batches, snapshot=snapshot):
                 batch_idx = i + offset
                 if batch_idx < skip:
                     continue
+                self._data_position = position
                 self._emit(Event.ON_TRAIN_BATCH_START, batch=batch, batch_idx=batch_idx)
                 steps = is_last or (batch_idx + 1) % self.accumulate_grad_batches == 0
                 if steps:
@@ -727,7 +738,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         results: list[dict[str, float]] = []
         for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
             reducer = MetricReducer(self.task.reduce)
-            for batch_idx, batch, _ in lookahead(loader, limit):
+            for batch_idx, batch, _, _ in lookahead(loader, limit):
                 self._emit(
                     ev["batch_start"], batch=batch, batch_idx=batch_idx, dataloader_idx=dl_idx
                 )
@@ -844,7 +855,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             self._emit(Event.ON_PREDICT_EPOCH_START)
             for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
                 outs: list[Any] = []
-                for batch_idx, batch, _ in lookahead(loader, limit):
+                for batch_idx, batch, _, _ in lookahead(loader, limit):
                     self._emit(
                         Event.ON_PREDICT_BATCH_START,
                         batch=batch,
