@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> float:
     args = p.parse_args(argv)
 
     train, val, test = load(args.seed)
-    shuffle = torch.Generator().manual_seed(args.seed)
-    train_loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, generator=shuffle)
+    # the order of epoch e is a function of (seed, e): a resume or a replay sees the same batches
+    shuffle = eg.data.ShuffleSampler(train, seed=args.seed)
+    train_loader = DataLoader(train, batch_size=args.batch_size, sampler=shuffle)
     val_loader = DataLoader(val, batch_size=256)
     test_loader = DataLoader(test, batch_size=256)
     task = make_task(args.epochs * len(train_loader))
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> float:
         f"val loss {trainer.callback_metrics['val/loss']:.4f}; "
         f"test accuracy {acc:.2%}; logs in {trainer.log_dir}"
     )
+    print(f"re-run and verify steps: engine replay {trainer.run_dir} --trust-code --from N --to M")
     return acc
 
 

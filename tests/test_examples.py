@@ -31,3 +31,10 @@ def test_trainer_demo_on_digits_reaches_97_percent_and_writes_logs(tmp_path, cap
     assert "test accuracy" in out
     assert list(tmp_path.rglob("events.out.tfevents.*")), "no TensorBoard event file"
     assert list(tmp_path.rglob("metrics.csv")), "no CSV metrics"
+    # the run directory replays: the last journaled stretch re-executes bitwise
+    import engine as eg
+
+    (journal,) = tmp_path.rglob("journal.jsonl")
+    last = eg.Journal.read(journal.parent)[-1]["step"]
+    report = eg.replay(journal.parent, last - 25, last, trust_code=True)
+    assert report.identical and report.steps >= 25, str(report)
