@@ -12,6 +12,20 @@ from typing import Any
 __all__: list[str] = []
 
 
+def run_config(trainer: Any) -> dict[str, Any]:
+    """The Trainer's resolved flags as JSON values (for checkpoints and the run directory)."""
+    import torch
+
+    keep = (int, float, str, bool, type(None))
+    config: dict[str, Any] = {
+        k: v for k, v in vars(trainer).items() if not k.startswith("_") and isinstance(v, keep)
+    }
+    if isinstance(trainer.compile, dict):
+        config["compile"] = dict(trainer.compile)
+    config["torch_version"] = torch.__version__
+    return config
+
+
 def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> Any:
     if value is None and allow_none:
         return None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import checkpoint, data
+from engine._config import run_config
 from engine.events import Event
 from engine.metrics import MetricReducer
 from engine.state import TrainState
@@ -119,6 +120,7 @@ class CheckpointingMixin:
                 if self._data_position is None
                 else data.state_to_json(self._data_position),
             },
+            "config": run_config(self),  # the flags the run was made with
             # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
             "train_metrics": self._reducer.state_dict() if self._reducer is not None else None,
         }

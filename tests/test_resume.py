@@ -309,3 +309,12 @@ def test_a_resume_completes_the_batch_or_epoch_the_checkpoint_was_saved_in(
         r for r in resumed_log.rows if r[0] > saved_at
     ]
     assert state.step == 30
+
+
+def test_a_checkpoint_records_the_run_configuration(tmp_path):
+    task = _task()
+    trainer = _trainer(max_epochs=2, accumulate_grad_batches=3, gradient_clip_val=0.5)
+    trainer.fit(task, task.init(_model()), _data())
+    config = checkpoint.read_meta(trainer.save_checkpoint(tmp_path / "c"))["extra"]["config"]
+    assert config["max_epochs"] == 2 and config["accumulate_grad_batches"] == 3
+    assert config["gradient_clip_val"] == 0.5 and config["torch_version"] == torch.__version__

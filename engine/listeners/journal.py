@@ -22,8 +22,7 @@ import warnings
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
+from engine._config import run_config
 from engine.events import EventRecord, Listener
 
 __all__ = ["Journal"]
@@ -109,7 +108,7 @@ class Journal(Listener):
         self.dirpath = root
         if self.every_n_steps is None:
             self.every_n_steps = trainer.log_every_n_steps
-        (root / CONFIG).write_text(json.dumps(_config(trainer), indent=2, sort_keys=True))
+        (root / CONFIG).write_text(json.dumps(run_config(trainer), indent=2, sort_keys=True))
         self._file = open(root / JOURNAL, "a")  # noqa: SIM115 - open for the whole fit
         if not self.replayable or rec.state is None:
             return
@@ -230,14 +229,3 @@ def _run_dir(trainer: Any) -> Path:
 
     root = Path(trainer.default_root_dir) / "lightning_logs"
     return root / f"version_{next_version(root)}"
-
-
-def _config(trainer: Any) -> dict[str, Any]:
-    keep = (int, float, str, bool, type(None))
-    config: dict[str, Any] = {
-        k: v for k, v in vars(trainer).items() if not k.startswith("_") and isinstance(v, keep)
-    }
-    if isinstance(trainer.compile, dict):
-        config["compile"] = trainer.compile
-    config["torch_version"] = torch.__version__
-    return config
