@@ -260,3 +260,23 @@ def test_pickled_code_keeps_its_file_and_source_lines_after_the_file_is_gone(tmp
         fail(1)
     text = "".join(traceback.format_exception(info.value))
     assert str(source) in text and "# the line to see" in text
+
+
+def test_a_pure_function_model_replays(tmp_path):
+    def loss_fn(p, batch):
+        x, y = batch
+        return F.mse_loss(x @ p["w"] + p["b"], y[:, 0])
+
+    task = eg.Task(loss_fn, optim.adam(0.05), lr=0.05)
+    trainer = eg.Trainer(
+        max_epochs=3,
+        log_every_n_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    state = eg.TrainState.create({"w": torch.zeros(3), "b": torch.zeros(())}, task.tx, seed=1)
+    trainer.fit(task, state, _data())
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert report.identical and report.steps == 18, str(report)
