@@ -183,7 +183,8 @@ class CheckpointingMixin:
         data_state = extra.get("trainer", {}).get("data_state")
         self._resume_data_state = None if data_state is None else data.state_from_json(data_state)
         phase = extra.get("trainer", {}).get("phase")
-        self._resume_phase = phase if phase in ("batch_end", "validation", "epoch_end") else None
+        phases = ("batch_end", "validation", "validated", "epoch_end")
+        self._resume_phase = phase if phase in phases else None
         if extra.get("train_metrics") and self.task is not None:
             self._restored_reducer = MetricReducer(self.task.reduce)
             self._restored_reducer.load_state_dict(extra["train_metrics"])
@@ -229,16 +230,20 @@ class CheckpointingMixin:
     def _finish_resumed_batch(
         self, skip: int, validate_this_epoch: bool, evaluate: Any, val_loaders: list[Any], dm: Any
     ) -> None:
-        """Complete what the batch a checkpoint was saved in still had to do: a checkpoint
-        taken in ``on_train_batch_end`` precedes that batch's validation check, one taken
-        during its validation precedes the batch count's increment."""
+        """Complete what the batch a checkpoint was saved in still had to do: one taken in
+        ``on_train_batch_end`` precedes that batch's validation check; one taken during the
+        validation (before its results were logged) runs that validation again — it is pure, so
+        it gives the same results — and one taken after it only counts the batch."""
         phase, self._resume_phase = self._resume_phase, None
         if phase == "batch_end" and skip and validate_this_epoch:
             last = skip >= self.num_training_batches
             if self._should_validate(skip - 1, self._total_batch_idx, last):
-                val_loaders = self._reload_val_loaders(val_loaders, dm)
-                self._evaluate("validation", evaluate, val_loaders, self.num_val_batches, log=True)
-        if phase in ("batch_end", "validation"):
+                phase = "validation"
+        if phase == "validation" and skip:
+            self._phase = "validation"
+            val_loaders = self._reload_val_loaders(val_loaders, dm)
+            self._evaluate("validation", evaluate, val_loaders, self.num_val_batches, log=True)
+        if phase in ("batch_end", "validation", "validated"):
             self._total_batch_idx += 1
         self._phase = "between"
 

@@ -757,6 +757,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             merged = {k: v for r in results for k, v in r.items()}
             self.log_metrics(merged)
             self._update_prog_bar(merged)
+        if self._phase == "validation":  # fit's validation has its results: a resume keeps them
+            self._phase = "validated"
         self._emit(ev["epoch_end"])
         self._emit(ev["end"])
         return results
