@@ -31,9 +31,10 @@ Lightning 2.x's ``ModelCheckpoint`` semantics, as a listener that saves through
   second save, not a copy), and once at the end of training if nothing was saved.
   ``save_last="link"`` is treated like ``True``: no symbolic links, which would dangle when a
   top-k checkpoint is deleted.
-* **Resume.** ``state_dict`` holds the top-k bookkeeping; the Trainer stores it in every
-  checkpoint under :attr:`ModelCheckpoint.state_key` and restores it on
-  ``fit(ckpt_path=...)``, so a resumed run keeps ranking against the same ``k`` checkpoints.
+* **Resume.** ``state_dict`` holds the top-k bookkeeping and when this listener last saved;
+  the Trainer stores it in every checkpoint under :attr:`ModelCheckpoint.state_key` and
+  restores it on ``fit(ckpt_path=...)``, so a resumed run keeps ranking against the same ``k``
+  checkpoints and saves (or skips a save) exactly where the run that never stopped did.
 """
 
 from __future__ import annotations
@@ -190,6 +191,10 @@ class ModelCheckpoint(Listener):
         self.last_model_path = ""
         self._last_global_step_saved = 0  # nothing to save before the first step
         self._last_checkpoint_saved = ""
+        self._restored_last_saved = False  # a checkpoint said when this listener last saved
+        # an event's saves and deletions, carried out once its bookkeeping is final (_flush)
+        self._pending_saves: list[str] = []
+        self._pending_removals: list[tuple[str, str]] = []
         self._last_time_checked: float | None = None
         self._defer_until_validation = False
         self._validated = False  # a validation has run in this fit: a missing monitor is an error
@@ -229,18 +234,24 @@ class ModelCheckpoint(Listener):
     def on_fit_start(self, rec: EventRecord) -> None:
         self._validated = False
         self._defer_until_validation = False
+        self._pending_saves, self._pending_removals = [], []  # left by a failed fit
 
     def on_load_checkpoint(self, rec: EventRecord) -> None:
-        """The resumed step is on disk already: do not save it again (a run resumed from a
-        checkpoint written at the end of an epoch replays that epoch's end)."""
-        if rec.stage == "fit":
+        """A checkpoint from an older engine does not say when this listener last saved: take
+        the resumed step as saved (it is on disk already)."""
+        if rec.stage == "fit" and not self._restored_last_saved:
             self._last_global_step_saved = rec.trainer.global_step
+        self._restored_last_saved = False
 
     def on_train_start(self, rec: EventRecord) -> None:
         self._last_time_checked = time.monotonic()
 
     def on_train_batch_end(self, rec: EventRecord) -> None:
         """Save by ``every_n_train_steps`` / ``train_time_interval``."""
+        self._at_train_batch_end(rec)
+        self._flush(rec)
+
+    def _at_train_batch_end(self, rec: EventRecord) -> None:
         trainer = rec.trainer
         by_steps = self._every_n_train_steps >= 1 and (
             trainer.global_step % self._every_n_train_steps == 0
@@ -268,6 +279,10 @@ class ModelCheckpoint(Listener):
 
     def on_validation_end(self, rec: EventRecord) -> None:
         """Save after validation unless saves happen at the end of the training epoch."""
+        self._at_validation_end(rec)
+        self._flush(rec)
+
+    def _at_validation_end(self, rec: EventRecord) -> None:
         if rec.stage == "fit" and not rec.trainer.sanity_checking:
             self._validated = True
         if self._skip(rec) or self._on_train_epoch_end(rec.trainer):
@@ -282,12 +297,20 @@ class ModelCheckpoint(Listener):
 
     def on_train_epoch_end(self, rec: EventRecord) -> None:
         """Save at the end of the training epoch when that is where epoch-wise saves go."""
+        self._at_train_epoch_end(rec)
+        self._flush(rec)
+
+    def _at_train_epoch_end(self, rec: EventRecord) -> None:
         if self._skip(rec) or not self._on_train_epoch_end(rec.trainer):
             return
         self._save_epochwise(rec, self._candidates(rec))
 
     def on_train_end(self, rec: EventRecord) -> None:
         """With ``save_last``, save ``last`` if nothing was saved during training."""
+        self._at_train_end(rec)
+        self._flush(rec)
+
+    def _at_train_end(self, rec: EventRecord) -> None:
         if self._outside_fit(rec) or not self.save_last or self._last_checkpoint_saved:
             return
         self._save_last(rec, self._candidates(rec))
@@ -402,10 +425,9 @@ class ModelCheckpoint(Listener):
                 f"{self.monitor!r} reached {current:.5f} (best {self.best_model_score:.5f}), "
                 f"saving {path} as top {k}"
             )
-        # the bookkeeping above is final before saving: the checkpoint holds this listener's state
         self._save(rec, path)
-        if dropped and self._removable(rec, dropped, path):
-            _remove(dropped)
+        if dropped:
+            self._pending_removals.append((dropped, path))
 
     def _save_latest(self, rec: EventRecord, candidates: dict[str, Any]) -> None:
         path = self._free_name(candidates, keep=self.best_model_path)
@@ -413,8 +435,8 @@ class ModelCheckpoint(Listener):
         self._save(rec, path)
         if self.verbose:
             write_message(f"Epoch {candidates['epoch']}, global step {candidates['step']}: {path}")
-        if self.save_top_k == 1 and previous and self._removable(rec, previous, path):
-            _remove(previous)
+        if self.save_top_k == 1 and previous:
+            self._pending_removals.append((previous, path))
 
     def _save_last(self, rec: EventRecord, candidates: dict[str, Any]) -> None:
         if not self.save_last:
@@ -424,17 +446,34 @@ class ModelCheckpoint(Listener):
         )
         previous, self.last_model_path = self.last_model_path, path
         self._save(rec, path)
-        if previous and self._removable(rec, previous, path):
-            _remove(previous)
+        if previous:
+            self._pending_removals.append((previous, path))
 
     def _save(self, rec: EventRecord, path: str) -> None:
-        trainer = rec.trainer
-        trainer.save_checkpoint(path)
-        self._last_global_step_saved = trainer.global_step
+        """Record a save of ``path``; :meth:`_flush` writes it at the end of the event."""
+        self._last_global_step_saved = rec.trainer.global_step
         self._last_checkpoint_saved = path
-        for logger in trainer.loggers:
-            if callable(getattr(logger, "after_save_checkpoint", None)):
-                logger.after_save_checkpoint(self)
+        self._pending_saves.append(path)
+
+    def _flush(self, rec: EventRecord) -> None:
+        """Write the event's checkpoints, then delete those they replace.
+
+        Writing waits until all of the event's bookkeeping is done, so every checkpoint saved at
+        one step (a top-k one and ``last``) holds the same, final state of this listener: a run
+        resumed from either saves, ranks and deletes exactly as the run that never stopped. The
+        deletions come after the writes, so a crash never leaves fewer checkpoints than ``k``.
+        """
+        saves, self._pending_saves = self._pending_saves, []
+        removals, self._pending_removals = self._pending_removals, []
+        trainer = rec.trainer
+        for path in saves:
+            trainer.save_checkpoint(path)
+            for logger in trainer.loggers:
+                if callable(getattr(logger, "after_save_checkpoint", None)):
+                    logger.after_save_checkpoint(self)
+        for previous, current in removals:
+            if self._removable(rec, previous, current):
+                _remove(previous)
 
     def _free_name(
         self, candidates: Mapping[str, Any], *, keep: str | None, template: str | None = None
@@ -443,7 +482,11 @@ class ModelCheckpoint(Listener):
         disk (``keep``, the path this save replaces, may be reused)."""
         path = self.format_checkpoint_name(candidates, template)
         version = self.STARTING_VERSION
-        while self._enable_version_counter and os.path.lexists(path) and path != keep:
+        while (
+            self._enable_version_counter
+            and (os.path.lexists(path) or path in self._pending_saves)
+            and path != keep
+        ):
             path = self.format_checkpoint_name(candidates, template, ver=version)
             version += 1
         return path
@@ -516,6 +559,9 @@ class ModelCheckpoint(Listener):
             "kth_best_model_path": self.kth_best_model_path,
             "kth_value": self.kth_value,
             "last_model_path": self.last_model_path,
+            # when it last saved: a resumed run saves (or skips) exactly as one never stopped
+            "last_global_step_saved": self._last_global_step_saved,
+            "last_checkpoint_saved": self._last_checkpoint_saved,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -531,6 +577,10 @@ class ModelCheckpoint(Listener):
             self.kth_best_model_path = state.get("kth_best_model_path", self.kth_best_model_path)
             self.kth_value = float(state.get("kth_value", self.kth_value))
             self.last_model_path = state.get("last_model_path", self.last_model_path)
+            if "last_global_step_saved" in state:
+                self._last_global_step_saved = int(state["last_global_step_saved"])
+                self._last_checkpoint_saved = str(state.get("last_checkpoint_saved", ""))
+                self._restored_last_saved = True
         else:
             warnings.warn(
                 f"ModelCheckpoint: the checkpoint was written with dirpath {saved_dir!r}, this "
@@ -559,7 +609,10 @@ def _real(path: str | os.PathLike[str]) -> str:
 
 
 def _non_empty_dir(path: str) -> bool:
-    return os.path.isdir(path) and any(os.scandir(path))
+    if not os.path.isdir(path):
+        return False
+    with os.scandir(path) as entries:  # closed at once (no ResourceWarning)
+        return any(True for _ in entries)
 
 
 def _opt_float(value: Any) -> float | None:
