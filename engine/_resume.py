@@ -6,12 +6,14 @@ A mixin of :class:`engine.trainer.Trainer`, kept apart so the driver's loop read
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import sys
 import threading
+import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +34,10 @@ class CheckpointingMixin:
     stage: str | None
     task: Any
     callback_metrics: dict[str, float]
+    logged_metrics: dict[str, float]
+    progress_bar_metrics: dict[str, float]
+    should_stop: bool
+    _metrics_version: int
     num_training_batches: float
     num_val_batches: list[float]
     ckpt_path: str | None
@@ -41,13 +47,17 @@ class CheckpointingMixin:
     _restored_reducer: MetricReducer | None
     _phase: str
     _resume_phase: str | None
+    _resume_event: tuple[Event, list[str]] | None
+    _emitter: Any
     _data_position: Any
     _resume_data_state: Any
     _signal: int | None
 
     if TYPE_CHECKING:  # the Trainer's methods this mixin calls
 
-        def _emit(self, event: Event, **fields: Any) -> None: ...
+        def _emit(
+            self, event: Event, only: Collection[int] | None = None, **fields: Any
+        ) -> None: ...
 
         def _should_validate(self, batch_idx: int, total: int, is_last: bool) -> bool: ...
 
@@ -63,11 +73,12 @@ class CheckpointingMixin:
         @property
         def current_epoch(self) -> int: ...
 
-    def _keyed_listeners(self) -> list[tuple[str, Any]]:
+    def _keyed_listeners(self, *, stateful_only: bool = True) -> list[tuple[str, Any]]:
+        """The listeners by key: ``state_key`` or the class name, ``#n`` for the n-th of a key."""
         keyed: list[tuple[str, Any]] = []
         seen: dict[str, int] = {}
         for listener in self.callbacks:
-            if not callable(getattr(listener, "state_dict", None)):
+            if stateful_only and not callable(getattr(listener, "state_dict", None)):
                 continue
             key = getattr(listener, "state_key", None) or type(listener).__qualname__
             seen[key] = seen.get(key, 0) + 1
@@ -91,8 +102,18 @@ class CheckpointingMixin:
         """
         if self._state is None:
             raise RuntimeError("save_checkpoint(): nothing to save yet; call fit() first")
+        pending = self._emitter.pending()
+        if pending is not None:  # saved by a listener: record who is yet to have this event
+            key_of = {id(x): k for k, x in self._keyed_listeners(stateful_only=False)}
+            event, waiting = pending
+            event_state = [event.value, [key_of[id(x)] for x in waiting if id(x) in key_of]]
         self._emit(Event.ON_SAVE_CHECKPOINT, checkpoint_path=os.fspath(filepath))
-        return self._write_checkpoint(filepath, metrics=metrics, asynchronous=asynchronous)
+        return self._write_checkpoint(
+            filepath,
+            metrics=metrics,
+            asynchronous=asynchronous,
+            event=None if pending is None else event_state,
+        )
 
     def _write_checkpoint(
         self,
@@ -100,6 +121,7 @@ class CheckpointingMixin:
         *,
         metrics: Mapping[str, float] | None = None,
         asynchronous: bool = False,
+        event: list[Any] | None = None,
     ) -> Any:
         """save_checkpoint without the event (the journal's record of the start state)."""
         assert self._state is not None
@@ -115,6 +137,16 @@ class CheckpointingMixin:
                 "stage": self.stage,
                 # where in the loop the save happened, so a resume completes that batch
                 "phase": self._phase,
+                # the event being dispatched and the listeners yet to have it: a resume calls
+                # those (checkpoints are saved by listeners, in the middle of an event)
+                "event": event,
+                # what listeners have seen so far, and whether one asked to stop
+                "callback_metrics": _finite_or_str(self.callback_metrics),
+                "logged_metrics": _finite_or_str(self.logged_metrics),
+                "progress_bar_metrics": _finite_or_str(self.progress_bar_metrics),
+                "should_stop": self.should_stop,
+                # breaks ties between checkpoints of one step for ckpt_path="last"
+                "saved_at_ns": time.time_ns(),
                 # a stateful loader's position after the last batch consumed
                 "data_state": None
                 if self._data_position is None
@@ -151,7 +183,7 @@ class CheckpointingMixin:
             checkpoint.clean_leftovers(root)
             if root.is_dir():
                 found += [p for p in root.iterdir() if (p / checkpoint.META).is_file()]
-        newest = sorted(found, key=lambda p: (_step_of(p), p.stat().st_mtime), reverse=True)
+        newest = sorted(found, key=_recency, reverse=True)
         for i, path in enumerate(newest):
             if checkpoint.inspect(path)["verified"]:
                 if i:
@@ -180,11 +212,19 @@ class CheckpointingMixin:
                 listener.load_state_dict(saved[key])
         extra = meta.get("extra", {})
         self._total_batch_idx = extra.get("trainer", {}).get("total_batch_idx", 0)
+        saved_loop = extra.get("trainer", {})
+        for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
+            if name in saved_loop:
+                setattr(self, name, {k: float(v) for k, v in saved_loop[name].items()})
+        self._metrics_version += 1
+        self.should_stop = bool(saved_loop.get("should_stop", False))
         data_state = extra.get("trainer", {}).get("data_state")
         self._resume_data_state = None if data_state is None else data.state_from_json(data_state)
         phase = extra.get("trainer", {}).get("phase")
         phases = ("batch_end", "validation", "validated", "epoch_end")
         self._resume_phase = phase if phase in phases else None
+        event = saved_loop.get("event")
+        self._resume_event = (Event(event[0]), list(event[1])) if event else None
         if extra.get("train_metrics") and self.task is not None:
             self._restored_reducer = MetricReducer(self.task.reduce)
             self._restored_reducer.load_state_dict(extra["train_metrics"])
@@ -227,32 +267,69 @@ class CheckpointingMixin:
             raise KeyboardInterrupt(message)
         raise SystemExit(message)
 
+    def _complete_event(self, *events: Event, **fields: Any) -> bool:
+        """If the restored checkpoint was saved while one of ``events`` was being dispatched,
+        call the listeners that had not had it yet; returns whether it was one of them."""
+        pending = self._resume_event
+        if pending is None or pending[0] not in events:
+            return False
+        self._resume_event = None
+        waiting = set(pending[1])
+        only = {id(x) for k, x in self._keyed_listeners(stateful_only=False) if k in waiting}
+        self._emit(pending[0], only=only, **fields)
+        return True
+
     def _finish_resumed_batch(
         self, skip: int, validate_this_epoch: bool, evaluate: Any, val_loaders: list[Any], dm: Any
     ) -> None:
-        """Complete what the batch a checkpoint was saved in still had to do: one taken in
-        ``on_train_batch_end`` precedes that batch's validation check; one taken during the
-        validation (before its results were logged) runs that validation again — it is pure, so
-        it gives the same results — and one taken after it only counts the batch."""
+        """Complete what the batch a checkpoint was saved in still had to do.
+
+        Saved in ``on_train_batch_end``: the listeners after the saving one get that event, then
+        the batch's validation check runs. Saved during a validation before its results were
+        logged: that validation runs again (it is pure: same results). Saved after: the
+        listeners after the saving one get the rest of the validation's end events. In each
+        case the batch is then counted.
+        """
         phase, self._resume_phase = self._resume_phase, None
-        if phase == "batch_end" and skip and validate_this_epoch:
+        self._phase = phase or "between"
+        if phase == "batch_end":
+            self._complete_event(Event.ON_TRAIN_BATCH_END, batch_idx=skip - 1)
             last = skip >= self.num_training_batches
-            if self._should_validate(skip - 1, self._total_batch_idx, last):
+            if (
+                skip
+                and validate_this_epoch
+                and self._should_validate(skip - 1, self._total_batch_idx, last)
+            ):
                 phase = "validation"
         if phase == "validation" and skip:
             self._phase = "validation"
             val_loaders = self._reload_val_loaders(val_loaders, dm)
             self._evaluate("validation", evaluate, val_loaders, self.num_val_batches, log=True)
+        if phase == "validated":
+            if self._complete_event(Event.ON_VALIDATION_EPOCH_END):
+                self._emit(Event.ON_VALIDATION_END)
+            else:
+                self._complete_event(Event.ON_VALIDATION_END)
         if phase in ("batch_end", "validation", "validated"):
             self._total_batch_idx += 1
+        self._resume_event = None
         self._phase = "between"
 
 
-def _step_of(path: Path) -> int:
+def _recency(path: Path) -> tuple[int, int, float]:
+    """Newest first: the step, then when the checkpoint says it was saved (nanoseconds: two
+    checkpoints of one step are milliseconds apart), then the directory's mtime."""
     try:
-        return int(checkpoint.read_meta(path).get("step", -1))
+        meta = checkpoint.read_meta(path)
     except checkpoint.CheckpointError:
-        return -1
+        return -1, -1, path.stat().st_mtime
+    saved_ns = meta.get("extra", {}).get("trainer", {}).get("saved_at_ns", -1)
+    return int(meta.get("step", -1)), int(saved_ns), path.stat().st_mtime
+
+
+def _finite_or_str(metrics: Mapping[str, float]) -> dict[str, Any]:
+    """Metrics for meta.json: JSON has no NaN or infinity, so those travel as strings."""
+    return {k: (v if math.isfinite(v) else repr(float(v))) for k, v in metrics.items()}
 
 
 def _is(obj: Any, cls_name: str) -> bool:

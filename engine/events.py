@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -213,6 +213,9 @@ class Emitter:
 
     def __init__(self, listeners: Iterable[Any]) -> None:
         self.listeners = list(listeners)
+        # the event being dispatched and how many of its handlers have been called, the current
+        # one included (a checkpoint saved by a handler records it: a resume calls the rest)
+        self.dispatching: tuple[Event, int] | None = None
         self.table: dict[Event, list[Callable[[EventRecord], Any]]] = {}
         for event in Event:
             handlers = [
@@ -226,15 +229,35 @@ class Emitter:
     def wants(self, event: Event) -> bool:
         return event in self.table
 
-    def emit(self, event: Event, make_record: Callable[[], EventRecord]) -> list[Any]:
-        """Call the handlers of ``event``; returns the non-None requests they made."""
+    def emit(
+        self,
+        event: Event,
+        make_record: Callable[[], EventRecord],
+        on_request: Callable[[Any], None],
+        only: Collection[int] | None = None,
+    ) -> None:
+        """Call the handlers of ``event`` (only those of the listeners whose ``id`` is in
+        ``only``, when given), passing each non-None return value to ``on_request`` before the
+        next handler runs."""
         handlers = self.table.get(event)
         if not handlers:
-            return []
+            return
         record = make_record()
-        requests = []
-        for handle in handlers:
-            out = handle(record)
-            if out is not None:
-                requests.append(out)
-        return requests
+        outer = self.dispatching
+        try:
+            for i, handle in enumerate(handlers):
+                if only is not None and id(getattr(handle, "__self__", None)) not in only:
+                    continue
+                self.dispatching = (event, i + 1)
+                out = handle(record)
+                if out is not None:
+                    on_request(out)
+        finally:
+            self.dispatching = outer
+
+    def pending(self) -> tuple[Event, list[Any]] | None:
+        """The event being dispatched and the listeners that have not had it yet."""
+        if self.dispatching is None:
+            return None
+        event, called = self.dispatching
+        return event, [getattr(h, "__self__", None) for h in self.table[event][called:]]

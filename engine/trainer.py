@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
@@ -275,6 +275,9 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self.datamodule: Any = None  # the datamodule fit() was given, if any
         self._phase = "between"  # where the fit loop is (saved with checkpoints)
         self._resume_phase: str | None = None  # the phase a restored checkpoint was saved in
+        # ... and the event being dispatched, with the keys of the listeners yet to have it
+        self._resume_event: tuple[Event, list[str]] | None = None
+        self._emitter = Emitter(())  # rebuilt from the listeners by each run
         self._data_position: Any = None  # a stateful loader's state after the current batch
         self._resume_data_state: Any = None  # ... as a restored checkpoint recorded it
 
@@ -326,7 +329,11 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             from engine.listeners import Timer
 
             listeners.append(Timer(self.max_time, interval="step", verbose=False))
-        return listeners
+        # as Lightning's _reorder_callbacks: checkpoints are written last in each event, so they
+        # hold the other listeners' state after this event (EarlyStopping's check included)
+        return [x for x in listeners if not _is(x, "ModelCheckpoint")] + [
+            x for x in listeners if _is(x, "ModelCheckpoint")
+        ]
 
     # ------------------------------------------------------------------ read-only views
 
@@ -383,7 +390,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
 
     # ------------------------------------------------------------------ events
 
-    def _emit(self, event: Event, **fields: Any) -> None:
+    def _emit(self, event: Event, only: Collection[int] | None = None, **fields: Any) -> None:
         if not self._emitter.wants(event):
             return
 
@@ -397,9 +404,12 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
                 **fields,
             )
 
-        for request in self._emitter.emit(event, record):
-            if isinstance(request, Stop):
-                self.should_stop = True
+        self._emitter.emit(event, record, self._request, only)
+
+    def _request(self, request: Any) -> None:
+        # at once, so a listener after the one asking (a checkpoint, say) sees the request
+        if isinstance(request, Stop):
+            self.should_stop = True
 
     @contextlib.contextmanager
     def _run(
@@ -491,7 +501,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         val_loaders = resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
         self.train_dataloader, self.datamodule = train_loaders[0], datamodule
         self._total_batch_idx = 0  # a checkpoint, if given, restores these
-        self._phase, self._resume_phase = "between", None
+        self._phase, self._resume_phase, self._resume_event = "between", None, None
         self._data_position = self._resume_data_state = None
         with self._run("fit", task, state, ckpt_path):
             self._fit(task, train_loaders[0], val_loaders, datamodule)
@@ -538,12 +548,22 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self._restored_reducer = None
         track = not self.barebones  # barebones: no metric bookkeeping at all
         last_reload = None
-        while not self._fit_done():
+
+        def mid_epoch() -> bool:
+            assert self._state is not None
+            return self._resume_phase is not None or self._state.batch_idx > 0
+
+        # a run resumed mid-epoch finishes that epoch even if a listener had asked to stop, as
+        # the run that never stopped did
+        while mid_epoch() or not self._fit_done():
             epoch = self.current_epoch
             assert self._state is not None
             if self._resume_phase == "epoch_end":
-                # saved while the epoch was ending: its end (logging, events) has happened
-                self._resume_phase = None
+                # saved while the epoch was ending: its end (logging, events) has happened but
+                # for the listeners after the one that saved
+                self._phase = "epoch_end"
+                self._complete_event(Event.ON_TRAIN_EPOCH_END)
+                self._resume_phase, self._phase = None, "between"
                 reducer.reset()
                 self._state = self._state.replace(epoch=epoch + 1, batch_idx=0)
                 continue

@@ -117,10 +117,12 @@ class FakeFit:
                 event, stage, self.state, dict(self.callback_metrics), self, **fields
             )
 
-        for request in self.emitter.emit(event, record):
+        def on_request(request: Any) -> None:
             if isinstance(request, Stop):
                 self.should_stop = True
                 self.stops.append(request)
+
+        self.emitter.emit(event, record, on_request)
 
     def _can_stop(self) -> bool:
         return self.should_stop and self.current_epoch >= self.min_epochs

@@ -31,6 +31,9 @@ import engine as eg
 from engine import checkpoint, optim
 from engine.listeners import EarlyStoppingReason
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_resume import _Log
+
 HERE = Path(__file__).parent
 PATIENCE, MIN_DELTA = 5, 0.03
 KW = {
@@ -66,19 +69,6 @@ def _data(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         x = torch.randn(4, 6, generator=g)
         batches.append((x, (x[:, :3] + torch.randn(4, 3, generator=g)).argmax(-1)))
     return batches
-
-
-class _Log:
-    """A logger that keeps every logged row."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[int, dict[str, float]]] = []
-
-    def log_metrics(self, metrics, step):
-        self.rows.append((step, dict(metrics)))
-
-    def finalize(self, status):
-        pass
 
 
 class _Probe(eg.Listener):
@@ -209,7 +199,8 @@ def _on_disk(dirpath: Path) -> dict[str, Any]:
             "position": [meta[k] for k in ("step", "epoch", "batch_idx", "micro_step")],
             "metrics": meta["metrics"],
             "listeners": listeners,
-            "trainer": meta["extra"]["trainer"],
+            # when it was saved differs between runs, of course
+            "trainer": {k: v for k, v in meta["extra"]["trainer"].items() if k != "saved_at_ns"},
             "train_metrics": meta["extra"]["train_metrics"],
             "tensors": {
                 k: hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy()).hexdigest()
@@ -292,12 +283,8 @@ def _assert_same_run(
     assert resumed["model_checkpoint"] == full["model_checkpoint"]
     assert sorted(resumed["on_disk"]) == sorted(full["on_disk"])
     for name, saved in full["on_disk"].items():
-        ours = dict(resumed["on_disk"][name])
-        # the metrics a checkpoint records are the trainer's callback_metrics; a resumed run
-        # lacks those logged before the resume and not since (a stale train/loss_epoch):
-        # test_callback_metrics_survive_a_resume
-        assert ours.pop("metrics").items() <= saved["metrics"].items(), name
-        assert ours == {k: v for k, v in saved.items() if k != "metrics"}, name
+        # metrics included: the trainer's callback_metrics survive the resume
+        assert resumed["on_disk"][name] == saved, name
 
 
 @pytest.fixture(scope="module")
@@ -388,23 +375,7 @@ def test_the_checkpoints_saved_at_one_step_are_interchangeable(uninterrupted):
             assert other == first
 
 
-@pytest.mark.parametrize(
-    "mc_first",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="listed before EarlyStopping, ModelCheckpoint saves in on_validation_end "
-                "before EarlyStopping's check: its checkpoints hold EarlyStopping's state from "
-                "before that validation, and a resume never runs the check (Lightning moves "
-                "ModelCheckpoint callbacks to the end of the list; engine keeps the order)",
-            ),
-        ),
-    ],
-    ids=["es-first", "mc-first"],
-)
+@pytest.mark.parametrize("mc_first", [False, True], ids=["es-first", "mc-first"])
 def test_a_crash_resumed_with_ckpt_path_last_continues_exactly(tmp_path, uninterrupted, mc_first):
     """A process killed mid-epoch (no checkpoint of its own) resumes from ModelCheckpoint's
     newest checkpoint, which it wrote in on_validation_end."""
@@ -418,11 +389,6 @@ def test_a_crash_resumed_with_ckpt_path_last_continues_exactly(tmp_path, uninter
     _assert_same_run(full, full_tensors, resumed, resumed_tensors, saved_at=saved_at)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Trainer.should_stop is not saved in checkpoints: a run resumed from one saved after "
-    "EarlyStopping asked to stop trains on (engine/_resume.py)",
-)
 def test_a_checkpoint_saved_after_the_stop_request_resumes_to_the_same_end(tmp_path, uninterrupted):
     """Saved in the validation where EarlyStopping stops the run (after its check), the
     checkpoint resumes to the same end: the epoch's end, then nothing more."""
@@ -457,11 +423,6 @@ class _SaveAt(eg.Listener):
             rec.trainer.save_checkpoint(self.path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the trainer's callback_metrics are not restored from a checkpoint: after a resume a "
-    "listener sees none of the metrics logged before it (engine/_resume.py)",
-)
 def test_callback_metrics_survive_a_resume(tmp_path):
     """What listeners read (EarlyStopping's and ModelCheckpoint's monitor, the file names, the
     metrics a checkpoint records) is the same after a resume as without one."""
