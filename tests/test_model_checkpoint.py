@@ -474,3 +474,56 @@ def test_a_resumed_top_k_run_ends_like_lightnings(tmp_path):
     assert _on_disk(ours) == their_names
     their_scores = {_base(k): float(v) for k, v in theirs.best_k_models.items()}
     assert {_base(k): v for k, v in ours.best_k_models.items()} == pytest.approx(their_scores)
+
+
+# ------------------------------------------------------------------------- asynchronous
+
+
+def test_asynchronous_saves_leave_the_same_checkpoints_as_synchronous_ones(tmp_path, monkeypatch):
+    def run(root: Path, asynchronous: bool) -> tuple[eg.ModelCheckpoint, dict[str, str]]:
+        mc = eg.ModelCheckpoint(
+            monitor="val/loss", save_top_k=2, save_last=True, asynchronous=asynchronous
+        )
+        _fit(root, [mc], max_epochs=6, enable_journal=False)
+        files = {
+            p.name: checkpoint.read_meta(p)["fingerprint"] or str(_step_of(p))
+            for p in Path(mc.dirpath).iterdir()
+        }
+        return mc, files
+
+    calls = []
+    real = checkpoint.save_async
+    monkeypatch.setattr(
+        checkpoint, "save_async", lambda *a, **k: calls.append(a[1]) or real(*a, **k)
+    )
+    sync_mc, sync_files = run(tmp_path / "sync", False)
+    assert calls == []
+    async_mc, async_files = run(tmp_path / "async", True)
+    assert len(calls) >= 6  # every save went through the background writer
+    assert async_files == sync_files  # the same names, holding the same steps
+    assert async_mc.best_model_score == sync_mc.best_model_score
+    assert {Path(p).name for p in async_mc.best_k_models} == {
+        Path(p).name for p in sync_mc.best_k_models
+    }
+    for path in Path(async_mc.dirpath).iterdir():
+        assert checkpoint.inspect(path)["verified"]
+
+
+def test_a_failed_asynchronous_save_keeps_the_checkpoint_it_would_replace(tmp_path, monkeypatch):
+    from concurrent.futures import Future
+
+    mc = eg.ModelCheckpoint(save_top_k=1, asynchronous=True)  # the latest, every epoch
+    real, n = checkpoint.save_async, [0]
+
+    def flaky(state, path, **kw):
+        n[0] += 1
+        if n[0] < 3:
+            return real(state, path, **kw)
+        failed: Future = Future()
+        failed.set_exception(OSError("disk full"))
+        return failed
+
+    monkeypatch.setattr(checkpoint, "save_async", flaky)
+    _fit(tmp_path, [mc], max_epochs=4, enable_journal=False)
+    # saves 3 and 4 failed: the second epoch's checkpoint was not deleted for them
+    assert _on_disk(mc) == {_name(1, 2 * N_BATCHES)}

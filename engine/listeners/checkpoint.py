@@ -47,6 +47,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,10 @@ class ModelCheckpoint(Listener):
             after validation (``False``); ``None`` decides at each save (see the module).
         enable_version_counter: add ``-v1``, ``-v2``, ... to a name that exists, rather than
             overwriting it.
+        asynchronous: (engine only) write in the background: training is blocked only while
+            the state is snapshotted (:func:`engine.checkpoint.save_async`); a checkpoint a new
+            one replaces is deleted once the new one is on disk, and the fit waits for pending
+            writes before it returns.
 
     Attributes:
         best_model_path: the best checkpoint so far (the latest, without ``monitor``).
@@ -136,6 +141,7 @@ class ModelCheckpoint(Listener):
         every_n_epochs: int | None = None,
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
+        asynchronous: bool = False,
     ) -> None:
         if mode not in _BETTER:
             raise ValueError(f"mode must be 'min' or 'max' (got {mode!r})")
@@ -181,6 +187,11 @@ class ModelCheckpoint(Listener):
         self.auto_insert_metric_name = auto_insert_metric_name
         self._save_on_train_epoch_end = save_on_train_epoch_end
         self._enable_version_counter = enable_version_counter
+        if not isinstance(asynchronous, bool):
+            raise TypeError(f"asynchronous must be True or False (got {asynchronous!r})")
+        self.asynchronous = asynchronous
+        # asynchronous saves in flight, each with the checkpoints to delete once they landed
+        self._in_flight: list[tuple[list[Future[Any]], list[str]]] = []
 
         self.best_model_path = ""
         self.best_model_score: float | None = None
@@ -309,6 +320,11 @@ class ModelCheckpoint(Listener):
         """With ``save_last``, save ``last`` if nothing was saved during training."""
         self._at_train_end(rec)
         self._flush(rec)
+        self._reap(wait=True)
+
+    def on_exception(self, rec: EventRecord) -> None:
+        """Let the writes in flight land (and delete what they replace only if they did)."""
+        self._reap(wait=True)
 
     def _at_train_end(self, rec: EventRecord) -> None:
         if self._outside_fit(rec) or not self.save_last or self._last_checkpoint_saved:
@@ -466,14 +482,37 @@ class ModelCheckpoint(Listener):
         saves, self._pending_saves = self._pending_saves, []
         removals, self._pending_removals = self._pending_removals, []
         trainer = rec.trainer
+        futures = []
         for path in saves:
-            trainer.save_checkpoint(path)
+            if self.asynchronous:
+                futures.append(trainer.save_checkpoint(path, asynchronous=True))
+            else:
+                trainer.save_checkpoint(path)
             for logger in trainer.loggers:
                 if callable(getattr(logger, "after_save_checkpoint", None)):
                     logger.after_save_checkpoint(self)
-        for previous, current in removals:
-            if self._removable(rec, previous, current):
+        doomed = [
+            previous for previous, current in removals if self._removable(rec, previous, current)
+        ]
+        if self.asynchronous:
+            if doomed:
+                self._in_flight.append((futures, doomed))
+            self._reap(wait=False)
+        else:
+            for previous in doomed:
                 _remove(previous)
+
+    def _reap(self, *, wait: bool) -> None:
+        """Delete the checkpoints replaced by asynchronous saves that have landed, in order;
+        a save that failed leaves the one it would have replaced."""
+        while self._in_flight:
+            futures, doomed = self._in_flight[0]
+            if not wait and not all(f.done() for f in futures):
+                return
+            self._in_flight.pop(0)
+            if all(f.exception() is None for f in futures):
+                for path in doomed:
+                    _remove(path)
 
     def _free_name(
         self, candidates: Mapping[str, Any], *, keep: str | None, template: str | None = None
