@@ -213,11 +213,12 @@ class CheckpointingMixin:
         extra = meta.get("extra", {})
         self._total_batch_idx = extra.get("trainer", {}).get("total_batch_idx", 0)
         saved_loop = extra.get("trainer", {})
-        for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
-            if name in saved_loop:
-                setattr(self, name, {k: float(v) for k, v in saved_loop[name].items()})
-        self._metrics_version += 1
-        self.should_stop = bool(saved_loop.get("should_stop", False))
+        if self.stage == "fit":  # the run continues: what its listeners had seen, they see
+            for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
+                if name in saved_loop:
+                    setattr(self, name, {k: float(v) for k, v in saved_loop[name].items()})
+            self._metrics_version += 1
+            self.should_stop = bool(saved_loop.get("should_stop", False))
         data_state = extra.get("trainer", {}).get("data_state")
         self._resume_data_state = None if data_state is None else data.state_from_json(data_state)
         phase = extra.get("trainer", {}).get("phase")
