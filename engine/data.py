@@ -7,7 +7,6 @@ factory); a *datamodule* is any object with ``train_dataloader()`` / ``val_datal
 
 from __future__ import annotations
 
-import base64
 import math
 import random
 import sys
@@ -162,8 +161,9 @@ def stateful(loader: Any) -> bool:
 
 
 def state_to_json(obj: Any) -> Any:
-    """A loader's ``state_dict`` as JSON (tensors, bytes and non-finite floats encoded), so it
-    can ride in a checkpoint's ``meta.json`` and load without running code.
+    """A loader's ``state_dict`` as JSON (tensors, bytes, tuples, non-string keys and
+    non-finite floats encoded), so it can ride in a checkpoint's ``meta.json`` and load without
+    running code.
 
     Example:
         >>> import torch
@@ -172,56 +172,16 @@ def state_to_json(obj: Any) -> Any:
         >>> back["pos"], back["rng"].tolist(), back["t"]
         (3, [1, 2], (1, 2.5))
     """
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return {
-            "$tensor": base64.b64encode(raw).decode(),
-            "dtype": str(t.dtype).removeprefix("torch."),
-            "shape": list(t.shape),
-        }
-    if isinstance(obj, bytes):
-        return {"$bytes": base64.b64encode(obj).decode()}
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return {"$float": repr(obj)}
-    if isinstance(obj, tuple):
-        return {"$tuple": [state_to_json(x) for x in obj]}
-    if isinstance(obj, list):
-        return [state_to_json(x) for x in obj]
-    if isinstance(obj, dict):
-        if not all(isinstance(k, str) for k in obj):
-            return {"$items": [[state_to_json(k), state_to_json(v)] for k, v in obj.items()]}
-        return {k: state_to_json(v) for k, v in obj.items()}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(
-        f"a loader state_dict holds a {type(obj).__name__}, which a checkpoint cannot store "
-        "without pickling code; return tensors, numbers, strings, lists and dicts"
-    )
+    from engine._tree import to_json
+
+    return to_json(obj, "loader state")
 
 
-def state_from_json(obj: Any) -> Any:
+def state_from_json(doc: Any) -> Any:
     """The inverse of :func:`state_to_json`."""
-    if isinstance(obj, list):
-        return [state_from_json(x) for x in obj]
-    if not isinstance(obj, dict):
-        return obj
-    if "$tensor" in obj:
-        raw = bytearray(base64.b64decode(obj["$tensor"]))
-        dtype = getattr(torch, obj["dtype"])
-        flat = (
-            torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        )
-        return flat.view(dtype).reshape(obj["shape"]).clone()
-    if "$bytes" in obj:
-        return base64.b64decode(obj["$bytes"])
-    if "$float" in obj:
-        return float(obj["$float"])
-    if "$tuple" in obj:
-        return tuple(state_from_json(x) for x in obj["$tuple"])
-    if "$items" in obj:
-        return {state_from_json(k): state_from_json(v) for k, v in obj["$items"]}
-    return {k: state_from_json(v) for k, v in obj.items()}
+    from engine._tree import from_json
+
+    return from_json(doc)
 
 
 def batch_size(batch: Any) -> int:
