@@ -1,16 +1,29 @@
 """Checkpoint save/load time against plain ``torch.save`` + fsync / ``torch.load``.
 
-    python -m benchmarks.checkpoint [--json]
+    python -m benchmarks.checkpoint [--json] [--rounds N]
 
-A ~200 MB state (an MLP with AdamW: parameters and two moments) is saved and loaded, rounds
-interleaved, each variant into a fresh directory on the same disk:
+A 144 MB state (an MLP 4096-2048-2048 with AdamW: parameters and two moments) is saved and
+loaded, each variant into a fresh directory, in two places: the working directory's disk, and
+``/dev/shm`` (a tmpfs, where fsync costs nothing). The tmpfs figures are the code's own cost; the
+disk figures add what the device does on fsync, which on shared machines swings more than the
+code costs. Figures, per place:
 
-* ``save_vs_torch``: ``engine.checkpoint.save`` (hash, fsync, rename) over ``torch.save`` of the
-  same tensors + fsync (target <= 1.10);
+* ``save_vs_torch``: ``engine.checkpoint.save`` (checksum, fsyncs, rename) over ``torch.save`` of
+  the same tensors to a file + fsync (target <= 1.10); ``save_vs_torch_nocrc`` over the same
+  ``torch.save`` without the zip CRC-32s, which ``checkpoint.save`` skips (its SHA-256s cover
+  every byte): what the engine adds over the cheapest plain save;
 * ``load_vs_torch``: ``engine.checkpoint.load`` (checksum verification included) over
   ``torch.load(weights_only=True)`` of that file (target <= 1.10);
 * ``async_blocked_vs_sync``: the time ``save_async`` blocks the caller (the snapshot) over a
-  synchronous save (target <= 0.10).
+  synchronous save (target <= 0.10); the first asynchronous save, which allocates the buffers
+  later ones reuse, is reported apart (``async_first_blocked_ms``).
+
+Every round runs all variants back to back, alternating their order; a ratio is the median over
+rounds of the per-round ratio (with its interquartile range), so that drift in machine load and
+disk latency hits both sides of a ratio alike. One unrecorded round warms up.
+``other_processes_cores`` is how many cores other processes kept busy meanwhile: the engine's
+save and load hash on a second core, so on a 2-core machine another busy process moves the
+ratios up more than it moves plain ``torch.save``/``torch.load``.
 """
 
 from __future__ import annotations
@@ -22,7 +35,9 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,64 +53,156 @@ def _state() -> eg.TrainState:
     return state  # moments are zeros until a step; their bytes are written all the same
 
 
-def _torch_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(tensors, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def run(rounds: int) -> dict[str, float]:
-    state = _state()
-    tensors, _ = checkpoint._flatten(state)
-    size_mb = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
-    times: dict[str, list[float]] = {
-        k: [] for k in ("save", "torch_save", "load", "torch_load", "async_blocked")
-    }
-    root = Path(tempfile.mkdtemp(prefix="engine-bench-", dir=os.getcwd()))
+def _torch_save(tensors: dict[str, torch.Tensor], path: Path, crc32: bool = True) -> None:
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(crc32)
     try:
+        with open(path, "wb") as f:
+            torch.save(tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir():
+        shutil.rmtree(p)
+    elif p.exists():
+        p.unlink()
+
+
+def _busy_s() -> float | None:
+    """CPU seconds all processes have run (from /proc/stat), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def places() -> dict[str, Path]:
+    """Where to measure: the working directory's disk, and /dev/shm where there is one."""
+    out = {"disk": Path(os.getcwd())}
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        out["tmpfs"] = shm
+    return out
+
+
+def _round(state: eg.TrainState, root: Path, order: int) -> dict[str, float]:
+    """One round: every variant once, into fresh files under ``root``; seconds by variant."""
+    tensors, _ = checkpoint._flatten(state)
+    ours, theirs, nocrc, later = root / "ours", root / "theirs.pt", root / "nocrc.pt", root / "a"
+    times: dict[str, float] = {}
+    saves: list[tuple[str, Callable[[], Any]]] = [
+        ("save", lambda: checkpoint.save(state, ours)),
+        ("torch_save", lambda: _torch_save(tensors, theirs)),
+        ("torch_save_nocrc", lambda: _torch_save(tensors, nocrc, crc32=False)),
+    ]
+    loads: list[tuple[str, Callable[[], Any]]] = [
+        ("load", lambda: checkpoint.load(ours, state)),
+        ("torch_load", lambda: torch.load(theirs, map_location="cpu", weights_only=True)),
+    ]
+    for group in (saves, loads):
+        for k, fn in group if order % 2 else group[::-1]:
+            times[k] = _timed(fn)
+    future: list[Any] = []
+    times["async_blocked"] = _timed(lambda: future.append(checkpoint.save_async(state, later)))
+    future[0].result()  # the write ends before anything else is timed
+    for p in (ours, theirs, nocrc, later):
+        _remove(p)
+    return times
+
+
+def measure(state: eg.TrainState, where: Path, rounds: int) -> dict[str, Any]:
+    """Time the variants in ``rounds`` interleaved rounds (after one warm-up) under ``where``."""
+    times: dict[str, list[float]] = {}
+    busy0, own0, wall0 = _busy_s(), time.process_time(), time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="engine-bench-", dir=where))
+    checkpoint.release_buffers()  # the warm-up's asynchronous save allocates them
+    try:
+        first_async = _round(state, root, 0)["async_blocked"]
         for r in range(rounds):
-            ours, theirs = root / f"ours-{r}", root / f"theirs-{r}.pt"
-            t0 = time.perf_counter()
-            checkpoint.save(state, ours)
-            times["save"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            _torch_save(tensors, theirs)
-            times["torch_save"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            checkpoint.load(ours, state)
-            times["load"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            torch.load(theirs, map_location="cpu", weights_only=True)
-            times["torch_load"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            future = checkpoint.save_async(state, root / f"async-{r}")
-            times["async_blocked"].append(time.perf_counter() - t0)
-            future.result()
-            for p in (ours, theirs, root / f"async-{r}"):
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
+            for k, t in _round(state, root, r).items():
+                times.setdefault(k, []).append(t)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {
-        "checkpoint_state_mb": size_mb,
-        "checkpoint_save_s": med["save"],
-        "checkpoint_save_vs_torch": med["save"] / med["torch_save"],
-        "checkpoint_load_vs_torch": med["load"] / med["torch_load"],
-        "checkpoint_async_blocked_vs_sync": med["async_blocked"] / med["save"],
+    busy1, own1, wall1 = _busy_s(), time.process_time(), time.perf_counter()
+
+    def ratio(num: str, den: str) -> tuple[float, list[float]]:
+        per_round = [a / b for a, b in zip(times[num], times[den], strict=True)]
+        if len(per_round) < 2:
+            return per_round[0], [per_round[0], per_round[0]]
+        q1, _, q3 = statistics.quantiles(per_round, n=4)
+        return statistics.median(per_round), [q1, q3]
+
+    out: dict[str, Any] = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
+    out["async_first_blocked_ms"] = first_async * 1e3
+    for name, num, den in (
+        ("save_vs_torch", "save", "torch_save"),
+        ("save_vs_torch_nocrc", "save", "torch_save_nocrc"),
+        ("load_vs_torch", "load", "torch_load"),
+        ("async_blocked_vs_sync", "async_blocked", "save"),
+    ):
+        out[name], out[f"{name}_iqr"] = ratio(num, den)
+    if busy0 is not None and busy1 is not None:
+        # cores other processes kept busy meanwhile (0 on an idle machine): noise to expect
+        out["other_processes_cores"] = max(0.0, (busy1 - busy0 - (own1 - own0)) / (wall1 - wall0))
+    return out
+
+
+def run(rounds: int) -> dict[str, Any]:
+    """Every figure, in every place; ``{"state_mb": ..., "disk": {...}, "tmpfs": {...}}``."""
+    state = _state()
+    tensors, _ = checkpoint._flatten(state)
+    out: dict[str, Any] = {
+        "state_mb": sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20,
+        "rounds": rounds,
     }
+    for name, where in places().items():
+        out[name] = measure(state, where, rounds)
+    checkpoint.release_buffers()
+    return out
+
+
+def flat(results: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a.b": 1}``, for a table."""
+    out: dict[str, Any] = {}
+    for k, v in results.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def show(key: str, v: Any) -> str:
+    if isinstance(v, float):
+        return f"{key:40s} {v:.3f}"
+    if isinstance(v, list):
+        return f"{key:40s} " + "-".join(f"{x:.3f}" for x in v)
+    return f"{key:40s} {v}"
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args(argv)
     out = run(args.rounds)
     print(
         json.dumps(out, indent=2)
         if args.json
-        else "\n".join(f"{k:36s} {v:.3f}" for k, v in out.items())
+        else "\n".join(show(k, v) for k, v in flat(out).items())
     )
 
 

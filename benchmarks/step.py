@@ -27,12 +27,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import engine as eg
+from benchmarks import checkpoint as checkpoint_bench
 from engine import optim
 
 SHAPES = {
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         memory_child(args.memory_child, args.steps)
         return
     rounds = 7 if args.quick else 21
-    results: dict[str, float | str] = {
+    results: dict[str, Any] = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
@@ -189,11 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.trainer import time_trainer  # imports this module: import late
 
     results.update(time_trainer(rounds=5 if args.quick else 11))
+    # save/load/async figures, on disk and on tmpfs (see benchmarks/checkpoint.py)
+    results["checkpoint"] = checkpoint_bench.run(rounds=5 if args.quick else 15)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
-        for k, v in results.items():
-            print(f"{k:36s} {v:.3f}" if isinstance(v, float) else f"{k:36s} {v}")
+        for k, v in checkpoint_bench.flat(results).items():
+            print(checkpoint_bench.show(k, v))
 
 
 if __name__ == "__main__":

@@ -4,12 +4,15 @@ named — damaged files, foreign models, pickled code, a full disk, interrupted 
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -217,3 +220,224 @@ def test_an_asynchronous_save_that_fails_reports_through_its_future(tmp_path, mo
     with pytest.raises(CheckpointError, match="disk is full"):
         future.result()
     checkpoint.wait()
+
+
+# ----------------------------------------------------------------- checksums, format version 2
+
+
+def _big_state() -> eg.TrainState:  # 12.6 MB of tensors: two 8 MiB chunks
+    torch.manual_seed(0)
+    return eg.TrainState.create(nn.Linear(1024, 1024), optim.adamw(1e-3), seed=1)
+
+
+def _chunked_sha256(data: bytes, chunk: int = 8 << 20) -> str:
+    digests = b"".join(
+        hashlib.sha256(data[i : i + chunk]).digest() for i in range(0, len(data), chunk)
+    )
+    return "sha256-chunks-8MiB:" + hashlib.sha256(digests).hexdigest()
+
+
+def test_the_checksum_is_the_sha256_of_the_sha256s_of_8_mib_chunks(tmp_path):
+    path = checkpoint.save(_big_state(), tmp_path / "c")
+    data = (path / "tensors.pt").read_bytes()
+    assert len(data) > 8 << 20
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["format_version"] == 2
+    assert meta["files"] == {"tensors.pt": _chunked_sha256(data)}
+    # a plain torch file, CRC-32s aside: torch.load reads it without the engine
+    plain = torch.load(path / "tensors.pt", weights_only=True)
+    assert torch.equal(plain["params/weight"], _big_state().params["weight"])
+
+
+def test_the_writer_checksums_bytes_it_had_to_copy_the_same(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "np", None)  # no view of the tensors: every byte is copied
+    monkeypatch.setattr(checkpoint, "_MAX_COPIED", 1)  # and the writer waits for each chunk
+    path = checkpoint.save(_big_state(), tmp_path / "c")
+    data = (path / "tensors.pt").read_bytes()
+    assert checkpoint.read_meta(path)["files"]["tensors.pt"] == _chunked_sha256(data)
+    assert checkpoint.load(path, _big_state()).fingerprint() == _big_state().fingerprint()
+
+
+@pytest.mark.parametrize("layout", ["mapped", "file"])
+def test_a_bit_flip_anywhere_is_found_chunk_by_chunk(tmp_path, monkeypatch, layout):
+    # 4 KiB chunks: every zip header, storage and boundary case falls in some chunk
+    monkeypatch.setattr(checkpoint, "_CHUNK", 4096)
+    if layout == "file":  # hash pages of its own mapping, not those torch.load mapped
+        monkeypatch.setattr(checkpoint, "_layout", lambda *a: None)
+    state = _trained(accumulate=3, calls=7)
+    path = checkpoint.save(state, tmp_path / "c")
+    f = path / "tensors.pt"
+    good = f.read_bytes()
+    assert checkpoint.read_meta(path)["files"]["tensors.pt"] == _chunked_sha256(good, 4096)
+    assert checkpoint.load(path, _template()).fingerprint() == state.fingerprint()
+    for at in (3, 100, len(good) // 3, len(good) // 2, len(good) - 30, len(good) - 1):
+        bad = bytearray(good)
+        bad[at] ^= 0x10
+        f.write_bytes(bytes(bad))
+        with pytest.raises(CheckpointError, match=r"tensors\.pt: SHA-256 check failed"):
+            checkpoint.load(path, _template())
+    f.write_bytes(good[: len(good) - 4096])  # truncated at a chunk boundary
+    with pytest.raises(CheckpointError, match=r"tensors\.pt: SHA-256 check failed"):
+        checkpoint.load(path, _template())
+
+
+def test_a_format_1_checkpoint_with_a_whole_file_sha256_still_loads(tmp_path):
+    state = _trained()
+    path = checkpoint.save(state, tmp_path / "c")
+    meta = json.loads((path / "meta.json").read_text())
+    meta["format_version"] = 1
+    meta["files"]["tensors.pt"] = hashlib.sha256((path / "tensors.pt").read_bytes()).hexdigest()
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert checkpoint.load(path, _template()).fingerprint() == state.fingerprint()
+    data = bytearray((path / "tensors.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (path / "tensors.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"tensors\.pt: SHA-256 check failed"):
+        checkpoint.load(path, _template())
+
+
+@pytest.mark.parametrize("checksum", ["md5:0123", None, 7])
+def test_an_unknown_or_missing_checksum_is_refused(tmp_path, checksum):
+    path = checkpoint.save(_trained(), tmp_path / "c")
+    meta = json.loads((path / "meta.json").read_text())
+    if checksum is None:
+        del meta["files"]["tensors.pt"]
+    else:
+        meta["files"]["tensors.pt"] = checksum
+    (path / "meta.json").write_text(json.dumps(meta))
+    match = "unknown checksum scheme 'md5'" if checksum == "md5:0123" else "no valid checksum"
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load(path, _template())
+
+
+def test_saving_leaves_torchs_zip_crc_option_as_it_was(tmp_path, monkeypatch):
+    assert torch.serialization.get_crc32_options()
+    checkpoint.save(_trained(), tmp_path / "a")
+    assert torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        checkpoint.save(_trained(), tmp_path / "b")
+        assert not torch.serialization.get_crc32_options()
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", no_space)
+    with pytest.raises(CheckpointError):
+        checkpoint.save(_trained(), tmp_path / "c")
+    assert torch.serialization.get_crc32_options()
+
+
+def test_loads_and_saves_from_many_threads_at_once_all_finish(tmp_path):
+    state = _big_state()
+    path = checkpoint.save(state, tmp_path / "c")
+    with ThreadPoolExecutor(6) as pool:
+        loads = [pool.submit(checkpoint.load, path, _big_state()) for _ in range(4)]
+        saves = [pool.submit(checkpoint.save, state, tmp_path / f"s{i}") for i in range(2)]
+        later = checkpoint.save_async(state, tmp_path / "a")
+        for f in loads:
+            assert f.result(timeout=120).fingerprint() == state.fingerprint()
+        for f in [*saves, later]:
+            assert checkpoint.inspect(f.result(timeout=120))["verified"]
+
+
+# ----------------------------------------------------------------- asynchronous saves' buffers
+
+
+def _snapshot_pointers() -> dict[str, int]:
+    idle = checkpoint._SNAPSHOTS._idle
+    assert idle is not None
+    return {k: t.data_ptr() for k, t in idle.tensors.items()}
+
+
+def test_asynchronous_saves_reuse_their_buffers_until_the_shapes_change(tmp_path):
+    checkpoint.release_buffers()
+    first, second = _trained(calls=1), _trained(calls=2)
+    checkpoint.save_async(first, tmp_path / "a").result()
+    pointers = _snapshot_pointers()
+    checkpoint.save_async(second, tmp_path / "b").result()
+    assert _snapshot_pointers() == pointers  # copied into the same memory
+    assert checkpoint.load(tmp_path / "a", _template()).fingerprint() == first.fingerprint()
+    assert checkpoint.load(tmp_path / "b", _template()).fingerprint() == second.fingerprint()
+
+    wider = eg.TrainState.create(_model(seed=1, width=16), optim.adamw(1e-2))
+    checkpoint.save_async(wider, tmp_path / "w").result()  # other shapes: new buffers
+    assert checkpoint._SNAPSHOTS._idle.tensors["params/0.weight"].shape == (16, 4)
+    template = eg.TrainState.create(_model(seed=2, width=16), optim.adamw(1e-2))
+    assert checkpoint.load(tmp_path / "w", template).fingerprint() == wider.fingerprint()
+    checkpoint.release_buffers()
+    assert checkpoint._SNAPSHOTS._idle is None
+
+
+def test_saves_asked_for_while_an_asynchronous_one_is_in_flight_write_what_they_were_given(
+    tmp_path, monkeypatch
+):
+    checkpoint.release_buffers()
+    gate = threading.Event()
+    written_from: list[set[int]] = []
+    real_write = checkpoint._write
+
+    def held_write(tensors, meta, target):
+        if threading.current_thread().name.startswith("engine-checkpoint"):
+            written_from.append({t.data_ptr() for t in tensors.values()})
+            gate.wait(60)  # the first write stays in flight until the saves below were asked for
+        return real_write(tensors, meta, target)
+
+    monkeypatch.setattr(checkpoint, "_write", held_write)
+    tx = optim.adamw(1e-2)
+    step = eg.train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]), tx)
+    state = eg.TrainState.create(_model(), tx)
+    g = torch.Generator().manual_seed(0)
+    expected = []
+    futures = []
+    for name in ("a", "b"):
+        state, _ = step(
+            state, (torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g))
+        )
+        expected.append(state.fingerprint())
+        futures.append(checkpoint.save_async(state, tmp_path / name))
+    checkpoint.save(state, tmp_path / "sync")  # while the writer thread is held
+    state, _ = step(state, (torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)))
+    gate.set()
+    assert [f.result(timeout=60) for f in futures] == [tmp_path / "a", tmp_path / "b"]
+    assert len(written_from) == 2 and not written_from[0] & written_from[1]  # two buffer sets
+    back = [checkpoint.load(tmp_path / n, _template_adamw()) for n in ("a", "b", "sync")]
+    assert [b.fingerprint() for b in back] == [*expected, expected[1]]
+    checkpoint.release_buffers()
+
+
+def _template_adamw() -> eg.TrainState:
+    return eg.TrainState.create(_model(seed=5), optim.adamw(1e-2))
+
+
+def test_release_buffers_also_drops_those_of_a_save_in_flight(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real_write = checkpoint._write
+
+    def held_write(tensors, meta, target):
+        gate.wait(60)
+        return real_write(tensors, meta, target)
+
+    monkeypatch.setattr(checkpoint, "_write", held_write)
+    future = checkpoint.save_async(_trained(), tmp_path / "c")
+    checkpoint.release_buffers()
+    gate.set()
+    future.result(timeout=60)
+    assert checkpoint._SNAPSHOTS._idle is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_an_asynchronous_save_of_gpu_tensors_holds_the_moment_it_was_asked_for(tmp_path):
+    tx = optim.adamw(1e-2)
+    state = eg.TrainState.create(_model().cuda(), tx)
+    expected = state.fingerprint()
+    future = checkpoint.save_async(state, tmp_path / "c")
+    for t in state.params.values():  # on the same stream: runs after the snapshot's copies
+        t.detach().add_(1.0)
+    future.result()
+    template = eg.TrainState.create(_model(seed=9).cuda(), tx)
+    back = checkpoint.load(tmp_path / "c", template)
+    assert back.fingerprint() == expected
+    assert all(t.is_cuda for t in back.params.values())
