@@ -31,7 +31,6 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.step --json
-	$(PY) -m benchmarks.checkpoint --json
 
 clean:
 	rm -rf $(VENV) *.egg-info

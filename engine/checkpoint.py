@@ -51,6 +51,7 @@ try:
 except ImportError:  # then every written byte is copied for hashing
     np = None  # type: ignore[assignment]
 
+from engine import _tree
 from engine.optim.base import load_state_dict as load_opt_state
 from engine.optim.base import state_dict as opt_state_dict
 from engine.state import TrainState
@@ -350,7 +351,22 @@ def _flatten(state: TrainState) -> tuple[dict[str, Tensor], dict[str, Any]]:
             tensors[f"opt_state/{k}"] = v.detach()
         else:
             scalars[k] = v
+    _tree_docs(state, tensors)  # the user's extra and the precision state
     return tensors, scalars
+
+
+_TREES = ("extra", "precision")  # TrainState fields stored as JSON trees with tensor references
+
+
+def _tree_docs(state: TrainState, tensors: dict[str, Tensor] | None = None) -> dict[str, Any]:
+    """``state.extra`` and ``state.precision`` as JSON; their tensors go into ``tensors``."""
+    try:
+        return {
+            name: _tree.to_json(getattr(state, name), name, {} if tensors is None else tensors)
+            for name in _TREES
+        }
+    except TypeError as e:
+        raise CheckpointError(f"the state cannot be saved: {e}") from e
 
 
 class _NoZipCrc:
@@ -415,6 +431,7 @@ def _meta(
         "fingerprint": state.fingerprint() if fingerprint else None,
         "num_params": state.num_params(),
         "has_grad_accum": state.grad_accum is not None,
+        "trees": _tree_docs(state),  # TrainState.extra and .precision
         "opt_state_scalars": _jsonable(dict(scalars), "optimizer state"),
         "metrics": _jsonable(dict(metrics or {}), "metrics"),
         "extra": _jsonable(dict(extra or {}), "extra"),
@@ -488,7 +505,7 @@ def save(
     Example:
         >>> import tempfile, torch
         >>> import engine as eg
-        >>> from engine import checkpoint, optim
+        >>> from engine import _tree, checkpoint, optim
         >>> state = eg.TrainState.create(torch.nn.Linear(3, 2), optim.adam(1e-3), seed=7)
         >>> with tempfile.TemporaryDirectory() as d:
         ...     path = checkpoint.save(state, f"{d}/step=0")
@@ -868,17 +885,31 @@ def load(path: str | os.PathLike[str], template: TrainState) -> TrainState:
         for group in ("params", "buffers", "grad_accum")
         for k, d in device_of.items()
     }
+    for name in _TREES:  # a tree's tensors go where the template's are (else the CPU)
+        shaped: dict[str, Tensor] = {}
+        _tree.to_json(getattr(template, name), name, shaped)
+        devices.update((k, t.device) for k, t in shaped.items())
     tensors = _verified_tensors(root, meta, devices)
     groups: dict[str, dict[str, Tensor]] = {"params": {}, "buffers": {}, "grad_accum": {}}
     opt: dict[str, Any] = dict(meta.get("opt_state_scalars", {}))
+    in_trees: dict[str, Tensor] = {}
     for key, t in tensors.items():
         group, _, name = key.partition("/")
         if group == "opt_state":
             opt[name] = t
         elif group in groups:
             groups[group][name] = t
+        elif group in _TREES:
+            in_trees[key] = t.to(devices.get(key, "cpu"))
         else:
             raise CheckpointError(f"{root / TENSORS}: unknown entry {key!r}")
+    trees = meta.get("trees", {})  # absent before format 2: the template's then
+    try:
+        restored = {
+            name: _tree.from_json(trees[name], in_trees) for name in _TREES if name in trees
+        }
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{root}: extra / precision state refers to a missing {e}") from e
     _check_fit(root, "params", template.params, groups["params"])
     _check_fit(root, "buffers", template.buffers, groups["buffers"])
     params = {
@@ -906,6 +937,7 @@ def load(path: str | os.PathLike[str], template: TrainState) -> TrainState:
         micro_step=meta["micro_step"],
         seed=meta["seed"],
         _ownership=type(template._ownership)(),
+        **restored,
     )
 
 

@@ -441,3 +441,37 @@ def test_an_asynchronous_save_of_gpu_tensors_holds_the_moment_it_was_asked_for(t
     back = checkpoint.load(tmp_path / "c", template)
     assert back.fingerprint() == expected
     assert all(t.is_cuda for t in back.params.values())
+
+
+def test_the_states_extra_and_precision_trees_round_trip(tmp_path):
+    import engine as eg
+    from engine import optim
+
+    model = torch.nn.Linear(3, 2)
+    ema = {k: v.detach().clone() * 2 for k, v in model.named_parameters()}
+    state = eg.TrainState.create(
+        model, optim.sgd(0.1), extra={"ema": ema, "note": "run-7", "counts": (1, 2.5, None)}
+    ).replace(precision={"scale": torch.tensor(65536.0), "growth": 3})
+    back = checkpoint.load(
+        checkpoint.save(state, tmp_path / "c"), eg.TrainState.create(model, optim.sgd(0.1))
+    )
+    assert back.extra["note"] == "run-7" and back.extra["counts"] == (1, 2.5, None)
+    for k, v in ema.items():
+        assert torch.equal(back.extra["ema"][k], v)
+    assert back.precision["growth"] == 3 and torch.equal(
+        back.precision["scale"], state.precision["scale"]
+    )
+    # the tensors went to tensors.pt, not into the JSON
+    assert "ema" not in json.dumps(checkpoint.read_meta(tmp_path / "c")["metrics"])
+    assert len(json.dumps(checkpoint.read_meta(tmp_path / "c")["trees"])) < 500
+    assert back.fingerprint() == state.fingerprint()
+
+
+def test_an_extra_value_that_needs_pickling_is_refused_at_save(tmp_path):
+    import engine as eg
+    from engine import optim
+
+    state = eg.TrainState.create(torch.nn.Linear(3, 2), optim.sgd(0.1), extra={"fn": print})
+    with pytest.raises(checkpoint.CheckpointError, match="extra/fn is a builtin_function"):
+        checkpoint.save(state, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
