@@ -161,47 +161,77 @@ class _NullTask(eg.Task):
 
 
 def driver_overhead_us(rounds: int, tmp: str) -> dict[str, float]:
-    """Microseconds the Trainer adds per batch, measured with a step that does no math.
+    """Microseconds the Trainer adds per batch, measured with a step that does no math, and
+    the milliseconds it adds once per fit.
 
     Wall-clock ratios on a shared 2-core machine move by +-5% between runs, more than the
-    driver costs; timing the driver around a null step isolates its own cost.
+    driver costs; timing the driver around a null step isolates its own cost. Each variant fits
+    epochs of ``BATCHES`` and of ``3 * BATCHES`` batches: the slope is the per-batch cost, the
+    intercept the per-fit cost (the run directory's pickles and start checkpoint, the
+    end-of-epoch checkpoint, the logger's files), which a longer run amortises.
     """
     sizes, n = SHAPES["tiny"]
-    data = [batch(sizes, n)] * BATCHES
+    short, long = [batch(sizes, n)] * BATCHES, [batch(sizes, n)] * (3 * BATCHES)
     task = _NullTask(loss_fn, optim.sgd(0.1))
     null = task.train_step()
-    box = {k: [task.init(mlp(sizes))] for k in ("hand", "bare", "logged")}
+    box: dict[str, list[Any]] = {}
     devnull = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the benchmark
 
-    def hand() -> None:
-        state = box["hand"][0].replace(epoch=0, batch_idx=0)
-        last = len(data) - 1
-        for i, b in enumerate(data):
-            state, _ = null(state, b, flush=i == last)
-        box["hand"][0] = state
+    def hand(name: str, data: list[Any]) -> Callable[[], None]:
+        box[name] = [task.init(mlp(sizes))]
 
-    def bare() -> None:
-        trainer = eg.Trainer(max_epochs=1, barebones=True)
-        box["bare"][0] = trainer.fit(task, box["bare"][0].replace(epoch=0, batch_idx=0), data)
+        def run() -> None:
+            state = box[name][0].replace(epoch=0, batch_idx=0)
+            last = len(data) - 1
+            for i, b in enumerate(data):
+                state, _ = null(state, b, flush=i == last)
+            box[name][0] = state
 
-    def logged() -> None:
+        return run
+
+    def bare(name: str, data: list[Any]) -> Callable[[], None]:
+        box[name] = [task.init(mlp(sizes))]
+
+        def run() -> None:
+            trainer = eg.Trainer(max_epochs=1, barebones=True)
+            box[name][0] = trainer.fit(task, box[name][0].replace(epoch=0, batch_idx=0), data)
+
+        return run
+
+    def logged(name: str, data: list[Any]) -> Callable[[], None]:
         from engine.listeners import ProgressBar
         from engine.loggers import TensorBoardLogger
 
-        trainer = eg.Trainer(
-            max_epochs=1,
-            callbacks=[ProgressBar(file=devnull)],
-            logger=TensorBoardLogger(tmp, name="null", version=0),
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-        )
-        box["logged"][0] = trainer.fit(task, box["logged"][0].replace(epoch=0, batch_idx=0), data)
+        box[name] = [task.init(mlp(sizes))]
 
-    times = _interleave({"hand": hand, "bare": bare, "logged": logged}, rounds)
-    per_batch = {k: statistics.median(v) / BATCHES * 1e6 for k, v in times.items()}
+        def run() -> None:
+            trainer = eg.Trainer(  # the defaults: checkpoint every epoch, run directory
+                max_epochs=1,
+                callbacks=[ProgressBar(file=devnull)],
+                logger=TensorBoardLogger(tmp, name=name, version=0),
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+            )
+            box[name][0] = trainer.fit(task, box[name][0].replace(epoch=0, batch_idx=0), data)
+
+        return run
+
+    runs = {
+        f"{kind}_{length}": make(f"{kind}_{length}", data)
+        for kind, make in (("hand", hand), ("bare", bare), ("logged", logged))
+        for length, data in (("short", short), ("long", long))
+    }
+    times = {k: statistics.median(v) for k, v in _interleave(runs, rounds).items()}
+    slope = {
+        k: (times[f"{k}_long"] - times[f"{k}_short"]) / (2 * BATCHES)
+        for k in ("hand", "bare", "logged")
+    }
+    fixed = {k: times[f"{k}_short"] - slope[k] * BATCHES for k in slope}
     return {
-        "driver_barebones_us_per_batch": per_batch["bare"] - per_batch["hand"],
-        "driver_logged_us_per_batch": per_batch["logged"] - per_batch["hand"],
+        "driver_barebones_us_per_batch": (slope["bare"] - slope["hand"]) * 1e6,
+        "driver_logged_us_per_batch": (slope["logged"] - slope["hand"]) * 1e6,
+        "driver_barebones_ms_per_fit": (fixed["bare"] - fixed["hand"]) * 1e3,
+        "driver_logged_ms_per_fit": (fixed["logged"] - fixed["hand"]) * 1e3,
     }
 
 

@@ -76,7 +76,7 @@ class Journal(Listener):
         dirpath: str | os.PathLike[str] | None = None,
         *,
         every_n_steps: int | None = None,
-        fingerprint_every_n_steps: int = 100,
+        fingerprint_every_n_steps: int = 1000,
         replayable: bool = True,
         max_data_bytes: int = 256 * 2**20,
     ) -> None:
