@@ -213,9 +213,10 @@ class Emitter:
 
     def __init__(self, listeners: Iterable[Any]) -> None:
         self.listeners = list(listeners)
-        # the event being dispatched and how many of its handlers have been called, the current
-        # one included (a checkpoint saved by a handler records it: a resume calls the rest)
-        self.dispatching: tuple[Event, int] | None = None
+        # the event being dispatched and the index of the handler being called (a checkpoint
+        # saved by a handler records who is yet to have the event: a resume calls them)
+        self._event: Event | None = None
+        self._index = 0
         self.table: dict[Event, list[Callable[[EventRecord], Any]]] = {}
         for event in Event:
             handlers = [
@@ -243,21 +244,22 @@ class Emitter:
         if not handlers:
             return
         record = make_record()
-        outer = self.dispatching
+        outer = self._event, self._index
+        self._event = event
         try:
             for i, handle in enumerate(handlers):
                 if only is not None and id(getattr(handle, "__self__", None)) not in only:
                     continue
-                self.dispatching = (event, i + 1)
+                self._index = i
                 out = handle(record)
                 if out is not None:
                     on_request(out)
         finally:
-            self.dispatching = outer
+            self._event, self._index = outer
 
     def pending(self) -> tuple[Event, list[Any]] | None:
         """The event being dispatched and the listeners that have not had it yet."""
-        if self.dispatching is None:
+        if self._event is None:
             return None
-        event, called = self.dispatching
-        return event, [getattr(h, "__self__", None) for h in self.table[event][called:]]
+        later = self.table[self._event][self._index + 1 :]
+        return self._event, [getattr(h, "__self__", None) for h in later]
