@@ -25,6 +25,7 @@ __all__ = [
     "count_batches",
     "limit_batches",
     "lookahead",
+    "order_outside_the_state",
     "position_loader",
     "resolve_loaders",
     "state_from_json",
@@ -325,6 +326,23 @@ class ShuffleSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.n
+
+
+def order_outside_the_state(loader: Any) -> bool:
+    """Whether ``loader`` shuffles with torch's ``RandomSampler``, whose order comes from a
+    generator that is not part of the run's state (so a resume or a replay sees other batches).
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> order_outside_the_state(DataLoader(range(8), shuffle=True))
+        True
+        >>> order_outside_the_state(DataLoader(range(8), sampler=ShuffleSampler(8, seed=0)))
+        False
+    """
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    samplers = (sampler, getattr(batch_sampler, "sampler", None))
+    return any(isinstance(s, torch.utils.data.RandomSampler) for s in samplers)
 
 
 def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:

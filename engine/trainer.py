@@ -29,6 +29,7 @@ from engine.data import (
     count_batches,
     limit_batches,
     lookahead,
+    order_outside_the_state,
     position_loader,
     resolve_loaders,
     stateful,
@@ -500,6 +501,14 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             )
         val_loaders = resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
         self.train_dataloader, self.datamodule = train_loaders[0], datamodule
+        if order_outside_the_state(train_loaders[0]):
+            warnings.warn(
+                "the training DataLoader shuffles with a RandomSampler (shuffle=True), whose "
+                "order comes from a generator outside the run's state: a run resumed from a "
+                "checkpoint or replayed will see other batches than this one. For exact resume "
+                "and replay pass sampler=engine.data.ShuffleSampler(dataset, seed=...) instead",
+                stacklevel=2,
+            )
         self._total_batch_idx = 0  # a checkpoint, if given, restores these
         self._phase, self._resume_phase, self._resume_event = "between", None, None
         self._data_position = self._resume_data_state = None

@@ -160,3 +160,15 @@ def test_loader_states_round_trip_through_json():
 
     with pytest.raises(TypeError, match="cannot store"):
         eg.data.state_to_json({"fn": lambda: 0})
+
+
+def test_fit_warns_that_a_random_sampler_makes_resume_and_replay_inexact(tmp_path):
+    import pytest
+
+    task = _task()
+    ds = Augmented()
+    with pytest.warns(UserWarning, match="ShuffleSampler"):
+        _trainer(max_epochs=1).fit(task, task.init(_model()), DataLoader(ds, shuffle=True))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*RandomSampler")
+        _trainer(max_epochs=1).fit(task, task.init(_model()), loader(0))
