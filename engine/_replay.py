@@ -171,13 +171,33 @@ def _meta_tensor(
     return nn.Parameter(t, requires_grad=requires_grad) if parameter else t
 
 
-def dumps_code(obj: Any, *, shapes_only: Iterable[Tensor] = ()) -> bytes:
+class PayloadTooLarge(ValueError):
+    """A pickle grew past the size it was allowed (see :func:`dumps_code`)."""
+
+
+class _Capped(io.BytesIO):
+    """A buffer that refuses to grow past ``limit`` bytes: pickling stops there, before a large
+    object (an in-memory dataset) has been copied whole."""
+
+    def __init__(self, limit: int | None) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def write(self, b: Any) -> int:
+        n = super().write(b)
+        if self.limit is not None and self.tell() > self.limit:
+            raise PayloadTooLarge(f"more than {self.limit} bytes")
+        return n
+
+
+def dumps_code(obj: Any, *, shapes_only: Iterable[Tensor] = (), limit: int | None = None) -> bytes:
     """Pickle ``obj`` with cloudpickle, keeping what a debugger needs and dropping weights.
 
     Code pickled by value keeps its file name, and the source lines of those files travel in the
     payload, so tracebacks of a replay (anomaly detection's forward traceback, say) show the
     original lines even where the script is gone. The tensors in ``shapes_only`` are reduced to
-    their shape and dtype (they load as ``meta`` tensors).
+    their shape and dtype (they load as ``meta`` tensors). With ``limit``, pickling stops with
+    :class:`PayloadTooLarge` as soon as the payload passes that many bytes.
     """
     import cloudpickle
 
@@ -205,7 +225,7 @@ def dumps_code(obj: Any, *, shapes_only: Iterable[Tensor] = ()) -> bytes:
                 return _meta_tensor, (shape, x.dtype, isinstance(x, nn.Parameter), x.requires_grad)
             return super().reducer_override(x)
 
-    buf = io.BytesIO()
+    buf = _Capped(limit)
     pickler = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.dump(obj)
     return pickle.dumps((_CODE_FORMAT, sources, buf.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)

@@ -280,3 +280,23 @@ def test_a_pure_function_model_replays(tmp_path):
     trainer.fit(task, state, _data())
     report = eg.replay(trainer.run_dir, trust_code=True)
     assert report.identical and report.steps == 18, str(report)
+
+
+def test_data_too_large_to_pickle_is_left_out_and_replay_takes_it_as_an_argument(tmp_path):
+    task = _task()
+    trainer = eg.Trainer(
+        max_epochs=2,
+        log_every_n_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[Journal(max_data_bytes=1000)],  # the data pickles to ~1.5 kB
+    )
+    with pytest.warns(UserWarning, match="max_data_bytes"):
+        trainer.fit(task, task.init(_model(), seed=7), _data())
+    run = Path(trainer.run_dir)
+    assert not (run / "data.pkl").exists() and (run / "task.pkl").exists()
+    with pytest.raises(eg.ReplayError, match=r"replay\(\.\.\., data=\.\.\.\)"):
+        eg.replay(run, trust_code=True)
+    assert eg.replay(run, trust_code=True, data=_data()).identical

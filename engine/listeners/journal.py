@@ -118,7 +118,7 @@ class Journal(Listener):
         self._dump(root / MODEL, "the model's structure", lambda: dump_skeleton(rec.state))
         source = trainer.datamodule if trainer.datamodule is not None else trainer.train_dataloader
         limit = self.max_data_bytes
-        self._dump(root / DATA, "the training data", lambda: dumps_code(source), limit)
+        self._dump(root / DATA, "the training data", lambda: dumps_code(source, limit=limit))
         start = trainer.ckpt_path  # a resumed fit starts from that checkpoint
         if start is None:  # else the state it was given: saved beside the journal
             start = str(root / f"start-step={rec.state.step}")
@@ -190,23 +190,25 @@ class Journal(Listener):
             self._file = None
 
     @staticmethod
-    def _dump(path: Path, what: str, dumps: Any, limit: int | None = None) -> None:
+    def _dump(path: Path, what: str, dumps: Any) -> None:
+        from engine._replay import PayloadTooLarge
+
         try:
             payload = dumps()
+        except PayloadTooLarge as e:  # an in-memory dataset, say: stopped before copied whole
+            path.unlink(missing_ok=True)
+            warnings.warn(
+                f"Journal: {what} pickles to {e}, more than Journal(max_data_bytes=...) allows; "
+                "it is not saved and a replay of this run takes it as "
+                "engine.replay(..., data=...)",
+                stacklevel=2,
+            )
+            return
         except Exception as e:  # something closing over an unpicklable object
             path.unlink(missing_ok=True)
             warnings.warn(
                 f"Journal: {what} could not be pickled ({type(e).__name__}: {e}); replaying this "
                 "run needs it passed in (engine.replay(..., data=...) for the data)",
-                stacklevel=2,
-            )
-            return
-        if limit is not None and len(payload) > limit:
-            path.unlink(missing_ok=True)
-            warnings.warn(
-                f"Journal: {what} pickles to {len(payload) / 2**20:.0f} MiB, more than "
-                f"max_data_bytes={limit}; it is not saved and a replay of this run takes it as "
-                "engine.replay(..., data=...)",
                 stacklevel=2,
             )
             return
