@@ -445,7 +445,10 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             stack.callback(setattr, torch.backends.cudnn, "benchmark", previous_bm)
         profiler = self._profiler(stage)
         stack.enter_context(profiler)
-        stack.callback(checkpoint.wait)  # asynchronous saves land before the run returns
+        # asynchronous saves land before the run returns; the host copy they keep for the next
+        # snapshot (one state's worth of memory) is not kept past the run
+        stack.callback(checkpoint.release_buffers)
+        stack.callback(checkpoint.wait)
         with stack:
             self._emit(Event.SETUP)
             try:

@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 from typing import IO, Any
 
+from engine import checkpoint
 from engine._config import run_config
 from engine.events import EventRecord, Listener
 
@@ -123,6 +124,8 @@ class Journal(Listener):
         if start is None:  # else the state it was given: saved beside the journal
             start = str(root / f"start-step={rec.state.step}")
             trainer._write_checkpoint(start, asynchronous=True)
+            # a one-off: no later save of this journal reuses the snapshot's host memory
+            checkpoint.release_buffers()
         self._write(rec, loss=None, fingerprint=True, checkpoint=os.path.abspath(start), start=True)
 
     def on_train_batch_end(self, rec: EventRecord) -> None:
