@@ -37,7 +37,7 @@ def _data(n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]
 
 
-def _fit(tmp_path: Path, task: eg.Task | None = None, data=None, **kw) -> eg.Trainer:
+def _fit(tmp_path: Path, task: eg.Task | None = None, data=None, state=None, **kw) -> eg.Trainer:
     task = task or _task()
     flags = dict(
         max_epochs=4,
@@ -50,7 +50,8 @@ def _fit(tmp_path: Path, task: eg.Task | None = None, data=None, **kw) -> eg.Tra
     )
     flags.update(kw)
     trainer = eg.Trainer(**flags)
-    trainer.fit(task, task.init(_model(), seed=7), data if data is not None else _data())
+    state = state if state is not None else task.init(_model(), seed=7)
+    trainer.fit(task, state, data if data is not None else _data())
     return trainer
 
 
@@ -268,33 +269,17 @@ def test_a_pure_function_model_replays(tmp_path):
         return F.mse_loss(x @ p["w"] + p["b"], y[:, 0])
 
     task = eg.Task(loss_fn, optim.adam(0.05), lr=0.05)
-    trainer = eg.Trainer(
-        max_epochs=3,
-        log_every_n_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
     state = eg.TrainState.create({"w": torch.zeros(3), "b": torch.zeros(())}, task.tx, seed=1)
-    trainer.fit(task, state, _data())
+    trainer = _fit(tmp_path, task, state=state, max_epochs=3, accumulate_grad_batches=1)
     report = eg.replay(trainer.run_dir, trust_code=True)
     assert report.identical and report.steps == 18, str(report)
 
 
 def test_data_too_large_to_pickle_is_left_out_and_replay_takes_it_as_an_argument(tmp_path):
-    task = _task()
-    trainer = eg.Trainer(
-        max_epochs=2,
-        log_every_n_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[Journal(max_data_bytes=1000)],  # the data pickles to ~1.5 kB
-    )
     with pytest.warns(UserWarning, match="max_data_bytes"):
-        trainer.fit(task, task.init(_model(), seed=7), _data())
+        trainer = _fit(  # the data pickles to ~1.5 kB
+            tmp_path, max_epochs=2, callbacks=[Journal(max_data_bytes=1000)]
+        )
     run = Path(trainer.run_dir)
     assert not (run / "data.pkl").exists() and (run / "task.pkl").exists()
     with pytest.raises(eg.ReplayError, match=r"replay\(\.\.\., data=\.\.\.\)"):
