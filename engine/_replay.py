@@ -15,27 +15,22 @@ that called it (see docs/checkpoints.md).
 
 from __future__ import annotations
 
-import io
 import json
-import linecache
 import math
 import os
-import pickle
 import tempfile
-import types
 import warnings
-from collections import ChainMap
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
-from torch import Tensor, nn
 
 from engine import checkpoint
+from engine._pickling import load_skeleton, loads_code
 from engine.events import EventRecord, Listener
-from engine.optim.base import GradientTransformation
+from engine.listeners.journal import CONFIG, DATA, JOURNAL, MODEL, TASK, Journal
 from engine.state import TrainState
 
 __all__ = [
@@ -43,20 +38,9 @@ __all__ = [
     "ReplayError",
     "ReplayReport",
     "UntrustedCodeError",
-    "dump_skeleton",
-    "dumps_code",
-    "load_skeleton",
-    "loads_code",
     "replay",
 ]
 
-JOURNAL, CONFIG, TASK, MODEL, DATA = (
-    "journal.jsonl",
-    "config.json",
-    "task.pkl",
-    "model.pkl",
-    "data.pkl",
-)
 
 # the Trainer flags that decide what the training steps compute (the rest only observe)
 _REPLAYED_FLAGS = (
@@ -159,130 +143,6 @@ class ReplayReport:
         return out
 
 
-# --------------------------------------------------------------------------- pickling code
-
-_CODE_FORMAT = "engine-code-v1"
-
-
-def _meta_tensor(
-    shape: tuple[int, ...], dtype: torch.dtype, parameter: bool, requires_grad: bool
-) -> Tensor:
-    t = torch.empty(shape, dtype=dtype, device="meta")
-    return nn.Parameter(t, requires_grad=requires_grad) if parameter else t
-
-
-class PayloadTooLarge(ValueError):
-    """A pickle grew past the size it was allowed (see :func:`dumps_code`)."""
-
-
-class _Capped(io.BytesIO):
-    """A buffer that refuses to grow past ``limit`` bytes: pickling stops there, before a large
-    object (an in-memory dataset) has been copied whole."""
-
-    def __init__(self, limit: int | None) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def write(self, b: Any) -> int:
-        n = super().write(b)
-        if self.limit is not None and self.tell() > self.limit:
-            raise PayloadTooLarge(f"more than {self.limit} bytes")
-        return n
-
-
-def dumps_code(obj: Any, *, shapes_only: Iterable[Tensor] = (), limit: int | None = None) -> bytes:
-    """Pickle ``obj`` with cloudpickle, keeping what a debugger needs and dropping weights.
-
-    Code pickled by value keeps its file name, and the source lines of those files travel in the
-    payload, so tracebacks of a replay (anomaly detection's forward traceback, say) show the
-    original lines even where the script is gone. The tensors in ``shapes_only`` are reduced to
-    their shape and dtype (they load as ``meta`` tensors). With ``limit``, pickling stops with
-    :class:`PayloadTooLarge` as soon as the payload passes that many bytes.
-    """
-    import cloudpickle
-
-    reduce_code = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
-    ids = {id(t) for t in shapes_only}
-    sources: dict[str, list[str]] = {}
-
-    def keep_filename(code: types.CodeType) -> Any:
-        assert reduce_code is not None
-        fn, args = reduce_code(code)
-        name = code.co_filename
-        if name not in sources:
-            sources[name] = linecache.getlines(name)
-        return fn, tuple(name if a == "<dynamic-code>" else a for a in args)
-
-    class _Pickler(cloudpickle.Pickler):
-        if reduce_code is not None:  # cloudpickle's code reducer; without it, names are lost
-            dispatch_table = ChainMap(
-                {types.CodeType: keep_filename}, cloudpickle.Pickler.dispatch_table
-            )
-
-        def reducer_override(self, x: Any) -> Any:
-            if isinstance(x, Tensor) and id(x) in ids:
-                shape = tuple(x.shape)
-                return _meta_tensor, (shape, x.dtype, isinstance(x, nn.Parameter), x.requires_grad)
-            return super().reducer_override(x)
-
-    buf = _Capped(limit)
-    pickler = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dump(obj)
-    return pickle.dumps((_CODE_FORMAT, sources, buf.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def loads_code(payload: bytes) -> Any:
-    """Unpickle a :func:`dumps_code` payload (this runs code from it: trusted input only) and
-    make its source lines available to tracebacks."""
-    fmt, sources, inner = pickle.loads(payload)
-    if fmt != _CODE_FORMAT:
-        raise ReplayError(f"unknown pickled-code format {fmt!r}")
-    for name, lines in sources.items():
-        if lines and not os.path.exists(name):  # the script is gone: serve its saved lines
-            linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
-    return pickle.loads(inner)
-
-
-def dump_skeleton(state: TrainState) -> bytes:
-    """The state's model pickled with every parameter and buffer reduced to its shape and
-    dtype: the structure a checkpoint is loaded into, without a copy of the weights.
-
-    Example:
-        >>> import torch
-        >>> import engine as eg
-        >>> from engine import optim
-        >>> from engine._replay import dump_skeleton, load_skeleton
-        >>> state = eg.TrainState.create(torch.nn.Linear(1000, 1000), optim.sgd(0.1))
-        >>> payload = dump_skeleton(state)
-        >>> len(payload) < 4000  # the 4 MB of weights are not in it
-        True
-        >>> template = load_skeleton(payload, optim.sgd(0.1))
-        >>> template.params["weight"].shape
-        torch.Size([1000, 1000])
-    """
-    if state.module is not None:
-        tensors = [*state.module.parameters(), *state.module.buffers()]
-        return dumps_code(("module", state.module), shapes_only=tensors)
-    obj = ("tensors", {"params": state.params, "buffers": state.buffers})
-    return dumps_code(obj, shapes_only=[*state.params.values(), *state.buffers.values()])
-
-
-def load_skeleton(payload: bytes, tx: GradientTransformation) -> TrainState:
-    """A state of the skeleton's structure (uninitialised CPU tensors) to load a checkpoint into.
-
-    Unpickling runs code from ``payload``: only for trusted run directories.
-    """
-    kind, obj = loads_code(payload)
-    if kind == "module":
-        module = obj.to_empty(device="cpu")
-        return TrainState.create(module, tx)
-
-    def materialize(d: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return {k: torch.empty(v.shape, dtype=v.dtype) for k, v in d.items()}
-
-    return TrainState.create(materialize(obj["params"]), tx, buffers=materialize(obj["buffers"]))
-
-
 # --------------------------------------------------------------------------- replay
 
 
@@ -311,7 +171,7 @@ class _Checker(Listener):
         expected: dict[tuple[int, int, int, int], list[dict[str, Any]]],
         start_line: dict[str, Any],
         span: tuple[int, int],
-        detect_anomaly: bool,
+        detect_anomaly: bool = False,
     ) -> None:
         self.expected = expected
         self.start_line = start_line
@@ -454,34 +314,63 @@ def replay(
         ReplayError: if the directory is not a replayable run or the steps are out of range.
         engine.checkpoint.CheckpointError: if the checkpoint does not fit the model.
     """
-    from engine.listeners.journal import Journal
-    from engine.trainer import Trainer
-
     root = Path(run_dir)
+    lines = _journal(root)
+    from_step, to_step = _span(lines, from_step, to_step)
+    ckpt, start_line = _find_checkpoint(root, lines, from_step)
+    if not trust_code:
+        raise _untrusted(root)
+    task, template, data, flags = _load_run(root, data)
+    checker = _Checker(_expected(lines, start_line, to_step), start_line, (from_step, to_step))
+    outcome = _run_checked(task, template, data, ckpt, flags, checker, to_step, detect_anomaly)
+    return ReplayReport(
+        run_dir=str(root),
+        checkpoint=str(ckpt),
+        start_step=int(start_line["step"]),
+        from_step=from_step,
+        to_step=to_step,
+        steps=checker.steps,
+        compared=checker.compared,
+        first_nonfinite_step=checker.first_nonfinite,
+        losses=dict(checker.losses),
+        **outcome,
+    )
+
+
+def _journal(root: Path) -> list[dict[str, Any]]:
     if not (root / JOURNAL).is_file():
         raise ReplayError(
             f"{root} has no {JOURNAL}: not a run directory (a fit writes one unless "
             "Trainer(enable_journal=False))"
         )
-    lines = Journal.read(root)
-    steps = [x["step"] for x in lines]
+    return Journal.read(root)
+
+
+def _span(
+    lines: list[dict[str, Any]], from_step: int | None, to_step: int | None
+) -> tuple[int, int]:
+    """The steps to re-execute: checked, with the defaults filled in."""
+    last = max(x["step"] for x in lines)
     checkpointed = [x["step"] for x in lines if isinstance(x.get("checkpoint"), str)]
     if from_step is None:
         from_step = (min(checkpointed) if checkpointed else 0) + 1
     if to_step is None:
-        to_step = max(steps)
+        to_step = last
     for name, value in (("from_step", from_step), ("to_step", to_step)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ReplayError(f"{name}={value!r}: pass a step number >= 1")
     if to_step < from_step:
         raise ReplayError(f"to_step={to_step} is before from_step={from_step}")
-    if to_step > max(steps):
+    if to_step > last:
         raise ReplayError(
-            f"to_step={to_step} is past the journal's last step ({max(steps)}); nothing to compare"
+            f"to_step={to_step} is past the journal's last step ({last}); nothing to compare"
         )
-    ckpt, start_line = _find_checkpoint(root, lines, from_step)
-    if not trust_code:
-        raise _untrusted(root)
+    return from_step, to_step
+
+
+def _load_run(root: Path, data: Any) -> tuple[Any, TrainState, Any, dict[str, Any]]:
+    """Unpickle the task, the model's structure and the data (runs code: trusted runs only);
+    read the flags that decide what a step computes."""
     for name in (TASK, MODEL):
         if not (root / name).is_file():
             raise ReplayError(
@@ -498,9 +387,13 @@ def replay(
             )
         data = loads_code((root / DATA).read_bytes())
     config = json.loads((root / CONFIG).read_text()) if (root / CONFIG).is_file() else {}
-    flags = {k: config[k] for k in _REPLAYED_FLAGS if k in config}
+    return task, template, data, {k: config[k] for k in _REPLAYED_FLAGS if k in config}
 
-    # the values to compare: every journal line of a step the replay executes
+
+def _expected(
+    lines: list[dict[str, Any]], start_line: dict[str, Any], to_step: int
+) -> dict[tuple[int, int, int, int], list[dict[str, Any]]]:
+    """The values to compare: every journal line of a step the replay executes, by position."""
     expected: dict[tuple[int, int, int, int], list[dict[str, Any]]] = {}
     start_key = (start_line["step"], start_line.get("micro_step", 0))
     for line in lines:
@@ -508,12 +401,26 @@ def replay(
             continue
         key = _key(line["step"], line["epoch"], line["batch_idx"], line.get("micro_step", 0))
         expected.setdefault(key, []).append(line)
-    checker = _Checker(expected, start_line, (from_step, to_step), detect_anomaly)
+    return expected
 
+
+def _run_checked(
+    task: Any,
+    template: TrainState,
+    data: Any,
+    ckpt: Path,
+    flags: dict[str, Any],
+    checker: _Checker,
+    to_step: int,
+    detect_anomaly: bool,
+) -> dict[str, Any]:
+    """Resume from ``ckpt`` to ``to_step`` with ``checker`` listening; returns the report's
+    ``divergence``, ``anomaly`` and ``anomaly_step``."""
+    from engine.trainer import Trainer
+
+    checker.detect_anomaly = detect_anomaly
     anomaly_was = torch.is_anomaly_enabled()
-    anomaly: str | None = None
-    anomaly_step: int | None = None
-    divergence: Divergence | None = None
+    outcome: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="engine-replay-") as scratch:
         trainer = Trainer(
             max_steps=to_step,
@@ -524,7 +431,7 @@ def replay(
             enable_model_summary=False,
             enable_journal=False,
             num_sanity_val_steps=0,
-            limit_val_batches=0,
+            limit_val_batches=0,  # validation cannot change the state
             callbacks=[checker],
             default_root_dir=scratch,
             **flags,
@@ -534,29 +441,16 @@ def replay(
                 warnings.simplefilter("always")
                 trainer.fit(task, template, data, ckpt_path=str(ckpt))
         except _Diverged as e:
-            divergence = e.divergence
+            outcome["divergence"] = e.divergence
         except RuntimeError as e:
             if not (detect_anomaly and torch.is_anomaly_enabled()):
                 raise
-            anomaly_step = checker.current
             forward = [str(w.message) for w in caught if "forward call" in str(w.message)]
-            anomaly = "\n".join([f"{type(e).__name__}: {e}", *forward])
+            outcome["anomaly"] = "\n".join([f"{type(e).__name__}: {e}", *forward])
+            outcome["anomaly_step"] = checker.current
         finally:
             torch.autograd.set_detect_anomaly(anomaly_was)
         for w in caught:  # pass on what the replay warned about
             if "forward call" not in str(w.message):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return ReplayReport(
-        run_dir=str(root),
-        checkpoint=str(ckpt),
-        start_step=int(start_line["step"]),
-        from_step=from_step,
-        to_step=to_step,
-        steps=checker.steps,
-        compared=checker.compared,
-        divergence=divergence,
-        first_nonfinite_step=checker.first_nonfinite,
-        losses=dict(checker.losses),
-        anomaly=anomaly,
-        anomaly_step=anomaly_step,
-    )
+    return outcome

@@ -11,7 +11,7 @@ from torch import nn
 
 import engine as eg
 from engine import optim
-from engine._replay import loads_code
+from engine._pickling import loads_code
 from engine.listeners import Journal
 
 

@@ -240,7 +240,7 @@ def test_pickled_code_keeps_its_file_and_source_lines_after_the_file_is_gone(tmp
     import linecache
     import traceback
 
-    from engine._replay import dumps_code, loads_code
+    from engine._pickling import dumps_code, loads_code
 
     source = tmp_path / "gone_module.py"
     source.write_text("def fail(x):\n    raise ValueError(f'bad {x}')  # the line to see\n")

@@ -113,7 +113,7 @@ class Journal(Listener):
         self._file = open(root / JOURNAL, "a")  # noqa: SIM115 - open for the whole fit
         if not self.replayable or rec.state is None:
             return
-        from engine._replay import dump_skeleton, dumps_code
+        from engine._pickling import dump_skeleton, dumps_code
 
         self._dump(root / TASK, "the task", lambda: dumps_code(trainer.task))
         self._dump(root / MODEL, "the model's structure", lambda: dump_skeleton(rec.state))
@@ -194,7 +194,7 @@ class Journal(Listener):
 
     @staticmethod
     def _dump(path: Path, what: str, dumps: Any) -> None:
-        from engine._replay import PayloadTooLarge
+        from engine._pickling import PayloadTooLarge
 
         try:
             payload = dumps()

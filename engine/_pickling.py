@@ -1,0 +1,151 @@
+"""Pickling a run's code for replay (private): cloudpickle that keeps file names and source
+lines, stops at a size limit, and reduces a model's weights to shapes.
+
+Everything here that loads runs code from its input: only for trusted run directories.
+"""
+
+from __future__ import annotations
+
+import io
+import linecache
+import os
+import pickle
+import types
+from collections import ChainMap
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from engine.optim.base import GradientTransformation
+from engine.state import TrainState
+
+__all__ = [
+    "PayloadTooLarge",
+    "dump_skeleton",
+    "dumps_code",
+    "load_skeleton",
+    "loads_code",
+]
+
+_CODE_FORMAT = "engine-code-v1"
+
+
+def _meta_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, parameter: bool, requires_grad: bool
+) -> Tensor:
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return nn.Parameter(t, requires_grad=requires_grad) if parameter else t
+
+
+class PayloadTooLarge(ValueError):
+    """A pickle grew past the size it was allowed (see :func:`dumps_code`)."""
+
+
+class _Capped(io.BytesIO):
+    """A buffer that refuses to grow past ``limit`` bytes: pickling stops there, before a large
+    object (an in-memory dataset) has been copied whole."""
+
+    def __init__(self, limit: int | None) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def write(self, b: Any) -> int:
+        n = super().write(b)
+        if self.limit is not None and self.tell() > self.limit:
+            raise PayloadTooLarge(f"more than {self.limit} bytes")
+        return n
+
+
+def dumps_code(obj: Any, *, shapes_only: Iterable[Tensor] = (), limit: int | None = None) -> bytes:
+    """Pickle ``obj`` with cloudpickle, keeping what a debugger needs and dropping weights.
+
+    Code pickled by value keeps its file name, and the source lines of those files travel in the
+    payload, so tracebacks of a replay (anomaly detection's forward traceback, say) show the
+    original lines even where the script is gone. The tensors in ``shapes_only`` are reduced to
+    their shape and dtype (they load as ``meta`` tensors). With ``limit``, pickling stops with
+    :class:`PayloadTooLarge` as soon as the payload passes that many bytes.
+    """
+    import cloudpickle
+
+    reduce_code = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
+    ids = {id(t) for t in shapes_only}
+    sources: dict[str, list[str]] = {}
+
+    def keep_filename(code: types.CodeType) -> Any:
+        assert reduce_code is not None
+        fn, args = reduce_code(code)
+        name = code.co_filename
+        if name not in sources:
+            sources[name] = linecache.getlines(name)
+        return fn, tuple(name if a == "<dynamic-code>" else a for a in args)
+
+    class _Pickler(cloudpickle.Pickler):
+        if reduce_code is not None:  # cloudpickle's code reducer; without it, names are lost
+            dispatch_table = ChainMap(
+                {types.CodeType: keep_filename}, cloudpickle.Pickler.dispatch_table
+            )
+
+        def reducer_override(self, x: Any) -> Any:
+            if isinstance(x, Tensor) and id(x) in ids:
+                shape = tuple(x.shape)
+                return _meta_tensor, (shape, x.dtype, isinstance(x, nn.Parameter), x.requires_grad)
+            return super().reducer_override(x)
+
+    buf = _Capped(limit)
+    pickler = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dump(obj)
+    return pickle.dumps((_CODE_FORMAT, sources, buf.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads_code(payload: bytes) -> Any:
+    """Unpickle a :func:`dumps_code` payload (this runs code from it: trusted input only) and
+    make its source lines available to tracebacks."""
+    fmt, sources, inner = pickle.loads(payload)
+    if fmt != _CODE_FORMAT:
+        raise ValueError(f"unknown pickled-code format {fmt!r}")
+    for name, lines in sources.items():
+        if lines and not os.path.exists(name):  # the script is gone: serve its saved lines
+            linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+    return pickle.loads(inner)
+
+
+def dump_skeleton(state: TrainState) -> bytes:
+    """The state's model pickled with every parameter and buffer reduced to its shape and
+    dtype: the structure a checkpoint is loaded into, without a copy of the weights.
+
+    Example:
+        >>> import torch
+        >>> import engine as eg
+        >>> from engine import optim
+        >>> from engine._pickling import dump_skeleton, load_skeleton
+        >>> state = eg.TrainState.create(torch.nn.Linear(1000, 1000), optim.sgd(0.1))
+        >>> payload = dump_skeleton(state)
+        >>> len(payload) < 4000  # the 4 MB of weights are not in it
+        True
+        >>> template = load_skeleton(payload, optim.sgd(0.1))
+        >>> template.params["weight"].shape
+        torch.Size([1000, 1000])
+    """
+    if state.module is not None:
+        tensors = [*state.module.parameters(), *state.module.buffers()]
+        return dumps_code(("module", state.module), shapes_only=tensors)
+    obj = ("tensors", {"params": state.params, "buffers": state.buffers})
+    return dumps_code(obj, shapes_only=[*state.params.values(), *state.buffers.values()])
+
+
+def load_skeleton(payload: bytes, tx: GradientTransformation) -> TrainState:
+    """A state of the skeleton's structure (uninitialised CPU tensors) to load a checkpoint into.
+
+    Unpickling runs code from ``payload``: only for trusted run directories.
+    """
+    kind, obj = loads_code(payload)
+    if kind == "module":
+        module = obj.to_empty(device="cpu")
+        return TrainState.create(module, tx)
+
+    def materialize(d: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {k: torch.empty(v.shape, dtype=v.dtype) for k, v in d.items()}
+
+    return TrainState.create(materialize(obj["params"]), tx, buffers=materialize(obj["buffers"]))
