@@ -21,24 +21,15 @@ recorded one SHA-256 of the whole file; such checkpoints still load.
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import hashlib
-import io
 import json
 import math
-import mmap
 import os
 import shutil
-import struct
-import sys
 import tempfile
-import threading
 import time
-import zipfile
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +43,16 @@ except ImportError:  # then every written byte is copied for hashing
     np = None  # type: ignore[assignment]
 
 from engine import _tree
+from engine._checksum import (
+    _SCHEME,
+    _WRITER,
+    _hash_mapped,
+    _HashingWriter,
+    _layout,
+    _NoZipCrc,
+    _start_checksum,
+)
+from engine._snapshot import _SNAPSHOTS, _host_empty, _Snapshot
 from engine.optim.base import load_state_dict as load_opt_state
 from engine.optim.base import state_dict as opt_state_dict
 from engine.state import TrainState
@@ -73,266 +74,9 @@ FORMAT_VERSION = 2
 META, TENSORS = "meta.json", "tensors.pt"
 _TMP_PREFIX = ".tmp-ckpt-"
 
-_CHUNK = 8 << 20  # bytes per hashed chunk; part of the checksum's definition
-_SCHEME = "sha256-chunks-8MiB"  # how meta.json names it: "sha256-chunks-8MiB:<hex>"
-_INLINE = 1 << 16  # smaller writes are copied for hashing, not looked up among the tensors
-_MAX_COPIED = 64 << 20  # bytes copied and not yet hashed, at most
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, damaged, of another format, or does not fit the state."""
-
-
-# --------------------------------------------------------------------------- threads
-
-
-class _Executor:
-    """A lazily started thread pool, started afresh in a forked child (threads do not fork)."""
-
-    def __init__(self, workers: Callable[[], int], name: str) -> None:
-        self.workers = 0  # once started
-        self._count, self._name = workers, name
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid = -1
-        self._lock = threading.Lock()
-
-    def get(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None or self._pid != os.getpid():
-                self.workers = self._count()
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=self._name)
-                self._pid = os.getpid()
-            return self._pool
-
-    def started(self) -> ThreadPoolExecutor | None:
-        return self._pool if self._pid == os.getpid() else None
-
-
-# Hashing threads: hashlib releases the GIL on buffers over 2 KiB, so chunks hash in parallel.
-_HASHERS = _Executor(lambda: max(2, min(8, os.cpu_count() or 2)), "engine-checksum")
-# One writer thread: asynchronous saves complete in the order they were asked for.
-_WRITER = _Executor(lambda: 1, "engine-checkpoint")
-
-
-# --------------------------------------------------------------------------- checksums
-
-
-def _sha256(path: Path) -> str:
-    """The SHA-256 of a whole file: the checksum format version 1 recorded."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _combine(digests: Iterable[bytes]) -> str:
-    return f"{_SCHEME}:{hashlib.sha256(b''.join(digests)).hexdigest()}"
-
-
-class _ChunkHasher:
-    """SHA-256s a file's chunks on the hashing threads, as they become available.
-
-    While the caller still works (writes the file, or copies the tensors out of it), at most one
-    thread fewer than there are cores hashes, so that hashing does not slow the caller down;
-    :meth:`result` lets every hashing thread in on what is left. The file's bytes are fed in
-    order, as buffers that the caller keeps unchanged until :meth:`result` returns. The threads
-    wait for nothing but this object's lock, so no use of the shared pool can deadlock.
-    """
-
-    def __init__(self) -> None:
-        self.pos = 0  # bytes fed
-        self.segments: list[Any] = []  # of the chunk being filled
-        self.copied = 0  # bytes of it that the caller copied for hashing
-        self.cond = threading.Condition()
-        self.ready: deque[tuple[int, list[Any], int]] = deque()  # (chunk, segments, copied)
-        self.digests: list[bytes | None] = []
-        self.lanes = 0  # threads hashing for this file
-        self.max_lanes = max(1, (os.cpu_count() or 1) - 1)
-        self.unhashed_copies = 0  # bytes the caller copied for hashing, not hashed yet
-        self.error: BaseException | None = None
-
-    def feed(self, segment: Any, copied: bool = False) -> None:
-        """Hash ``segment`` (a buffer of bytes) next; ``copied``: made only to be hashed."""
-        data = memoryview(segment).cast("B")  # slices of it copy nothing
-        n, offset = len(data), 0
-        while offset < n:
-            take = min(n - offset, _CHUNK - self.pos % _CHUNK)
-            self.segments.append(data[offset : offset + take])
-            if copied:
-                self.copied += take
-            offset, self.pos = offset + take, self.pos + take
-            if self.pos % _CHUNK == 0:
-                self._queue()
-
-    def _queue(self) -> None:
-        """Queue the chunk; wait while more than _MAX_COPIED copied bytes are queued."""
-        with self.cond:
-            self.ready.append((len(self.digests), self.segments, self.copied))
-            self.digests.append(None)
-            self.unhashed_copies += self.copied
-            self.segments, self.copied = [], 0
-            self._start_lanes()
-            while self.unhashed_copies > _MAX_COPIED and self.error is None:
-                self.cond.wait()  # hashing lags behind: let it catch up
-
-    def _start_lanes(self) -> None:  # holding cond
-        while self.lanes < min(self.max_lanes, len(self.ready)):
-            self.lanes += 1
-            _HASHERS.get().submit(self._lane)
-
-    def _lane(self) -> None:
-        while True:
-            with self.cond:
-                if not self.ready or self.error is not None:
-                    self.lanes -= 1
-                    self.cond.notify_all()
-                    return
-                index, segments, copied = self.ready.popleft()
-            try:
-                digest = _hash_segments(segments)
-            except BaseException as e:
-                with self.cond:
-                    self.error = e
-                continue
-            with self.cond:
-                self.digests[index] = digest
-                self.unhashed_copies -= copied
-                self.cond.notify_all()
-
-    def result(self) -> str:
-        """The checksum of what was fed, once it is all hashed."""
-        if self.segments:
-            self._queue()
-        with self.cond:
-            _HASHERS.get()
-            self.max_lanes = _HASHERS.workers
-            self._start_lanes()
-            while self.lanes:
-                self.cond.wait()
-            if self.error is not None:
-                raise self.error
-            return _combine(d for d in self.digests if d is not None)
-
-
-def _hash_segments(segments: list[Any]) -> bytes:
-    h = hashlib.sha256()
-    for segment in segments:
-        h.update(segment)  # releases the GIL: chunks hash in parallel
-    return h.digest()
-
-
-def _start_checksum(path: Path, expected: str) -> Callable[[], str]:
-    """Start hashing ``path`` in the scheme of ``expected``; the result gives its checksum.
-
-    The chunked scheme hashes the chunks in parallel straight from the page cache; a bare hex
-    digest (format version 1) is one SHA-256 of the whole file, on one thread.
-    """
-    scheme, sep, _ = expected.rpartition(":")
-    if not sep:
-        return _HASHERS.get().submit(_sha256, path).result
-    if scheme != _SCHEME:
-        raise CheckpointError(
-            f"{path}: unknown checksum scheme {scheme!r} in {META}; upgrade engine to verify it"
-        )
-    hasher = _ChunkHasher()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size:
-            # unmapped when the last view of it goes; checkpoints are never modified in place
-            hasher.feed(memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)))
-    return hasher.result
-
-
-def _checksum(path: Path) -> str:
-    """The checksum of a file in the current scheme."""
-    return _start_checksum(path, f"{_SCHEME}:")()
-
-
-class _HashingWriter(io.RawIOBase):
-    """A write-only file that forwards to ``raw`` and checksums what passes through.
-
-    ``torch.save`` hands each storage's bytes to ``write`` as a view of the storage's own memory.
-    Those of ``tensors`` (which the caller keeps alive and unchanged until the save ends) are
-    hashed from the tensors, on the hashing threads, while this thread goes on writing and then
-    fsyncs: the file is never read back and no data is copied. Any other bytes (record headers,
-    a storage torch copied first) are copied, a bounded amount at a time, since a caller may
-    reuse a buffer once ``write`` returns.
-    """
-
-    def __init__(self, raw: Any, tensors: Iterable[Tensor]) -> None:
-        self.raw = raw
-        self.pos = 0
-        self.owned: dict[int, memoryview] = {}  # address -> the storage's bytes
-        if np is not None:
-            for t in tensors:
-                storage = t.untyped_storage()
-                if t.device.type == "cpu" and storage.nbytes() >= _INLINE:
-                    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
-                    self.owned[storage.data_ptr()] = whole.numpy().data
-        self.hasher = _ChunkHasher()
-        self.on_first_write: Callable[[], None] | None = None
-
-    def writable(self) -> bool:
-        return True
-
-    def _view_of_owned(self, data: memoryview) -> memoryview | None:
-        if len(data) < _INLINE or np is None:
-            return None
-        owner = self.owned.get(np.frombuffer(data, dtype=np.uint8).ctypes.data)
-        return owner[: len(data)] if owner is not None and len(data) <= len(owner) else None
-
-    def write(self, b: Any) -> int:
-        if self.on_first_write is not None:
-            self.on_first_write()
-            self.on_first_write = None
-        with memoryview(b) as view, view.cast("B") as data:
-            self.raw.write(data)
-            n = len(data)
-            owned = self._view_of_owned(data)
-            self.hasher.feed(bytes(data) if owned is None else owned, copied=owned is None)
-        self.pos += n
-        return n
-
-    def tell(self) -> int:
-        return self.pos
-
-    def checksum(self) -> str:
-        """The file's checksum, once every chunk is hashed (call after the last write)."""
-        return self.hasher.result()
-
-
-# --------------------------------------------------------------------------- memory
-
-_MADV_POPULATE_WRITE, _PAGE = 23, mmap.PAGESIZE
-_madvise: Any = None
-
-
-def _host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tensor:
-    """``torch.empty`` on the host, its pages mapped up front in one system call (Linux).
-
-    Fresh memory is otherwise mapped at first touch, one page fault per 4 KiB page; for a
-    checkpoint-sized buffer those faults cost more than the copy that fills it.
-    ``MADV_POPULATE_WRITE`` (Linux 5.14+) does the same work without a fault per page. Elsewhere
-    it is skipped; either way the contents are the same (undefined until written).
-    """
-    global _madvise
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    if nbytes >= 1 << 20 and sys.platform == "linux":
-        if _madvise is None:
-            try:
-                fn = ctypes.CDLL(None, use_errno=True).madvise
-                fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], int
-                _madvise = fn
-            except (OSError, AttributeError):
-                _madvise = False
-        if _madvise:
-            start = -(-t.data_ptr() // _PAGE) * _PAGE
-            stop = (t.data_ptr() + nbytes) // _PAGE * _PAGE
-            if stop > start and _madvise(start, stop - start, _MADV_POPULATE_WRITE) != 0:
-                _madvise = False  # an older kernel: not again
-    return t
 
 
 # --------------------------------------------------------------------------- saving
@@ -367,38 +111,6 @@ def _tree_docs(state: TrainState, tensors: dict[str, Tensor] | None = None) -> d
         }
     except TypeError as e:
         raise CheckpointError(f"the state cannot be saved: {e}") from e
-
-
-class _NoZipCrc:
-    """Turns off the zip CRC-32s ``torch.save`` computes, for the one call being started.
-
-    The checksum in ``meta.json`` covers every byte of the file, so the zip format's own CRC-32
-    of each record is redundant, and it costs ``torch.save`` about 40% of its time; ``torch.load``
-    does not read it (``zip -T`` would report it wrong). The option is global and read when
-    ``torch.save`` opens its writer, before the first write: it is restored at that first write
-    (:meth:`restore`), or on exit. Saves here take turns for that instant.
-    """
-
-    _lock = threading.Lock()
-
-    def __enter__(self) -> _NoZipCrc:
-        self.held = False
-        options = getattr(torch.serialization, "set_crc32_options", None)
-        if options is not None:  # torch >= 2.6
-            self._lock.acquire()
-            self.held = True
-            self.previous = torch.serialization.get_crc32_options()
-            options(False)
-        return self
-
-    def restore(self) -> None:
-        if self.held:
-            self.held = False
-            torch.serialization.set_crc32_options(self.previous)
-            self._lock.release()
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -518,78 +230,6 @@ def save(
     return _write(tensors, _meta(state, scalars, metrics, extra, fingerprint), Path(path))
 
 
-class _Snapshot:
-    """Host copies of a state's tensors, made for one asynchronous save at a time."""
-
-    def __init__(self, tensors: Mapping[str, Tensor], signature: tuple[Any, ...]) -> None:
-        self.signature = signature
-        self.tensors = {k: _buffer_for(t) for k, t in tensors.items()}
-        self.events: list[Any] = []
-        self.generation = 0
-
-    def fill(self, tensors: Mapping[str, Tensor]) -> None:
-        cuda = set()
-        for k, t in tensors.items():
-            self.tensors[k].copy_(t, non_blocking=t.device.type == "cuda")
-            if t.device.type == "cuda":
-                cuda.add(t.device)
-        # copies from a GPU are queued on its current stream: the writer waits for them, and
-        # later work on that stream (the next step updating these tensors) runs after them
-        self.events = [torch.cuda.current_stream(d).record_event() for d in cuda]
-
-    def ready(self) -> None:
-        for event in self.events:
-            event.synchronize()
-
-
-def _buffer_for(t: Tensor) -> Tensor:
-    if t.device.type == "cuda":  # page-locked: the copy from the GPU runs without blocking
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return _host_empty(t.shape, t.dtype)
-
-
-class _SnapshotBuffers:
-    """The host memory that asynchronous saves copy a state into, reused from save to save.
-
-    A fresh buffer costs a page fault per page at its first write, many times the cost of the
-    copy itself, so the set of buffers a finished write used is kept (one set, the latest) and
-    the next snapshot of a state of the same shapes only copies. A set is lent to exactly one
-    pending write and returned when that write ends, so a snapshot never overwrites a buffer a
-    write still reads: a save asked for while the previous one is in flight gets a second set.
-    A state of other shapes (or dtypes, devices, keys) drops the kept set and allocates anew.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: _Snapshot | None = None
-        self._generation = 0  # sets lent before the last release() are not kept
-
-    def take(self, tensors: Mapping[str, Tensor]) -> _Snapshot:
-        signature = tuple((k, t.shape, t.dtype, t.device) for k, t in tensors.items())
-        with self._lock:
-            snapshot, self._idle = self._idle, None  # lent out, or dropped: shapes changed
-            generation = self._generation
-        if snapshot is None or snapshot.signature != signature:
-            snapshot = None  # free the old set before allocating the new one
-            snapshot = _Snapshot(tensors, signature)
-        snapshot.generation = generation
-        snapshot.fill(tensors)
-        return snapshot
-
-    def give_back(self, snapshot: _Snapshot) -> None:
-        with self._lock:
-            if snapshot.generation == self._generation:
-                self._idle = snapshot
-
-    def release(self) -> None:
-        with self._lock:
-            self._idle = None
-            self._generation += 1
-
-
-_SNAPSHOTS = _SnapshotBuffers()
-
-
 def _write_snapshot(snapshot: _Snapshot, meta: Mapping[str, Any], target: Path) -> Path:
     # Let save_async return first: it is about to, holding the GIL, and this thread, woken by
     # the submission, would otherwise take the GIL from it for a switch interval (5 ms).
@@ -703,66 +343,6 @@ def _decode(x: Any) -> Any:
     if isinstance(x, list):
         return [_decode(v) for v in x]
     return x
-
-
-def _layout(path: Path, mapped: Mapping[str, Tensor]) -> list[tuple[int, Any]] | None:
-    """Where in the file each storage ``torch.load(mmap=True)`` mapped lies: ``(offset,
-    storage)`` in file order, or None where that cannot be told for certain.
-
-    The offsets come from the zip's own headers; they must match the storages one for one
-    (sizes equal, addresses a constant apart: one mapping of the whole file), or None.
-    """
-    storages = {}
-    for t in mapped.values():
-        storage = t.untyped_storage()
-        if storage.nbytes():
-            storages[storage.data_ptr()] = storage
-    records = []
-    try:
-        with zipfile.ZipFile(path) as z, open(path, "rb") as f:
-            for info in z.infolist():
-                parts = info.filename.split("/")
-                if len(parts) == 3 and parts[1] == "data" and info.file_size:
-                    if info.compress_type != zipfile.ZIP_STORED:
-                        return None
-                    f.seek(info.header_offset)
-                    header = f.read(30)  # the local header: its name and extra field lengths
-                    if len(header) < 30 or header[:4] != b"PK\x03\x04":
-                        return None
-                    name_len, extra_len = struct.unpack("<HH", header[26:30])
-                    offset = info.header_offset + 30 + name_len + extra_len
-                    records.append((offset, info.file_size))
-    except (OSError, zipfile.BadZipFile, struct.error, ValueError):
-        return None
-    records.sort()
-    addresses = sorted(storages)
-    if not records or len(records) != len(addresses):
-        return None
-    base, end = addresses[0] - records[0][0], 0
-    for address, (offset, size) in zip(addresses, records, strict=True):
-        if address - offset != base or storages[address].nbytes() != size or offset < end:
-            return None
-        end = offset + size
-    return [(offset, storages[a]) for a, (offset, _) in zip(addresses, records, strict=True)]
-
-
-def _hash_mapped(path: Path, layout: list[tuple[int, Any]]) -> Callable[[], str]:
-    """Start hashing ``path`` from the storages ``torch.load(mmap=True)`` mapped (see
-    :func:`_layout`), reading only the few bytes between them: the pages the tensors are then
-    copied from are read from memory once, and page-mapped once."""
-    hasher = _ChunkHasher()
-    with open(path, "rb") as f:
-        size, pos = os.fstat(f.fileno()).st_size, 0
-        for offset, storage in layout:
-            if offset > pos:
-                f.seek(pos)
-                hasher.feed(f.read(offset - pos), copied=True)
-            hasher.feed(torch.empty(0, dtype=torch.uint8).set_(storage).numpy().data)
-            pos = offset + storage.nbytes()
-        if size > pos:
-            f.seek(pos)
-            hasher.feed(f.read(size - pos), copied=True)
-    return hasher.result
 
 
 def _materialize(

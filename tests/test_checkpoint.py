@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import engine as eg
-from engine import checkpoint, optim
+from engine import _checksum, checkpoint, optim
+from engine._checksum import _sha256
 from engine.checkpoint import CheckpointError
 
 
@@ -132,7 +133,7 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_nothing_runs(tmp_path
     torch.save({"params/0.weight": _Payload(str(marker))}, buf)
     (path / "tensors.pt").write_bytes(buf.getvalue())
     meta = json.loads((path / "meta.json").read_text())
-    meta["files"]["tensors.pt"] = checkpoint._sha256(path / "tensors.pt")  # a forger would
+    meta["files"]["tensors.pt"] = _sha256(path / "tensors.pt")  # a forger would
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="refused by the safe loader"):
         checkpoint.load(path, _template())
@@ -250,8 +251,8 @@ def test_the_checksum_is_the_sha256_of_the_sha256s_of_8_mib_chunks(tmp_path):
 
 
 def test_the_writer_checksums_bytes_it_had_to_copy_the_same(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "np", None)  # no view of the tensors: every byte is copied
-    monkeypatch.setattr(checkpoint, "_MAX_COPIED", 1)  # and the writer waits for each chunk
+    monkeypatch.setattr(_checksum, "np", None)  # no view of the tensors: every byte is copied
+    monkeypatch.setattr(_checksum, "_MAX_COPIED", 1)  # and the writer waits for each chunk
     path = checkpoint.save(_big_state(), tmp_path / "c")
     data = (path / "tensors.pt").read_bytes()
     assert checkpoint.read_meta(path)["files"]["tensors.pt"] == _chunked_sha256(data)
@@ -261,7 +262,7 @@ def test_the_writer_checksums_bytes_it_had_to_copy_the_same(tmp_path, monkeypatc
 @pytest.mark.parametrize("layout", ["mapped", "file"])
 def test_a_bit_flip_anywhere_is_found_chunk_by_chunk(tmp_path, monkeypatch, layout):
     # 4 KiB chunks: every zip header, storage and boundary case falls in some chunk
-    monkeypatch.setattr(checkpoint, "_CHUNK", 4096)
+    monkeypatch.setattr(_checksum, "_CHUNK", 4096)
     if layout == "file":  # hash pages of its own mapping, not those torch.load mapped
         monkeypatch.setattr(checkpoint, "_layout", lambda *a: None)
     state = _trained(accumulate=3, calls=7)
