@@ -602,58 +602,21 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             )
             self._emit(Event.ON_TRAIN_EPOCH_START)
             assert self._state is not None
-            # a state saved mid-epoch resumes there: the sampler skips the consumed batches
-            # without loading them when it can, else they are fetched and dropped
-            skip = self._state.batch_idx
-            offset = skip if position_loader(train_loader, epoch, skip) else 0
-            restored, self._resume_data_state = self._resume_data_state, None
-            if skip and not offset and restored is not None and stateful(train_loader):
-                train_loader.load_state_dict(restored)  # it continues where it was saved
-                offset = skip
-            if skip and not offset:
-                warnings.warn(
-                    f"resuming mid-epoch by loading and dropping {skip} batches; give the "
-                    "DataLoader an engine.data.ShuffleSampler (map-style datasets) or use a "
-                    "loader with state_dict()/load_state_dict() (torchdata's "
-                    "StatefulDataLoader) to skip them without loading",
-                    stacklevel=3,
-                )
+            skip, offset = self._position(train_loader, epoch)
             if self._resume_phase is not None:
                 self._finish_resumed_batch(skip, validate_this_epoch, evaluate, val_loaders, dm)
             batches = 0 if self._epoch_done() else self.num_training_batches - offset
-            snapshot = train_loader.state_dict if stateful(train_loader) else None
-            for i, batch, is_last, position in lookahead(train_loader, batches, snapshot=snapshot):
-                batch_idx = i + offset
-                if batch_idx < skip:
-                    continue
-                self._data_position = position
-                self._emit(Event.ON_TRAIN_BATCH_START, batch=batch, batch_idx=batch_idx)
-                steps = is_last or (batch_idx + 1) % self.accumulate_grad_batches == 0
-                if steps:
-                    self._emit(Event.ON_BEFORE_OPTIMIZER_STEP, batch_idx=batch_idx)
-                self._state, metrics = step(self._state, batch, flush=is_last)
-                if track:
-                    reducer.update(metrics, batch_size(batch))
-                    if steps and self._state.step % self.log_every_n_steps == 0:
-                        self._log_step(metrics)
-                self._phase = "batch_end"
-                self._emit(
-                    Event.ON_TRAIN_BATCH_END, outputs=metrics, batch=batch, batch_idx=batch_idx
-                )
-                if validate_this_epoch and self._should_validate(
-                    batch_idx, self._total_batch_idx, is_last
-                ):
-                    self._phase = "validation"
-                    val_loaders = self._reload_val_loaders(val_loaders, dm)
-                    self._evaluate(
-                        "validation", evaluate, val_loaders, self.num_val_batches, log=True
-                    )
-                self._total_batch_idx += 1
-                self._phase = "between"
-                if self._signal is not None:
-                    self._stop_for_signal()
-                if self._epoch_done():
-                    break
+            val_loaders = self._train_batches(
+                train_loader,
+                batches,
+                skip,
+                offset,
+                step,
+                evaluate,
+                val_loaders,
+                dm,
+                validate_this_epoch,
+            )
             if track:
                 epoch_metrics = {f"train/{k}_epoch": v for k, v in reducer.compute().items()}
                 reducer.reset()
@@ -665,6 +628,74 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             self._phase = "between"
         self._emit(Event.ON_TRAIN_END)
         self._emit(Event.ON_FIT_END)
+
+    def _position(self, train_loader: Any, epoch: int) -> tuple[int, int]:
+        """Point the loader at ``epoch``; returns ``(skip, offset)``: the batches the state has
+        consumed in it, and how many of those the loader skips without loading them (a state
+        saved mid-epoch resumes there; the rest are fetched and dropped)."""
+        assert self._state is not None
+        skip = self._state.batch_idx
+        offset = skip if position_loader(train_loader, epoch, skip) else 0
+        restored, self._resume_data_state = self._resume_data_state, None
+        if skip and not offset and restored is not None and stateful(train_loader):
+            train_loader.load_state_dict(restored)  # it continues where it was saved
+            offset = skip
+        if skip and not offset:
+            warnings.warn(
+                f"resuming mid-epoch by loading and dropping {skip} batches; give the "
+                "DataLoader an engine.data.ShuffleSampler (map-style datasets) or use a "
+                "loader with state_dict()/load_state_dict() (torchdata's "
+                "StatefulDataLoader) to skip them without loading",
+                stacklevel=4,
+            )
+        return skip, offset
+
+    def _train_batches(
+        self,
+        train_loader: Any,
+        batches: float,
+        skip: int,
+        offset: int,
+        step: Any,
+        evaluate: Any,
+        val_loaders: list[Any],
+        dm: Any,
+        validate_this_epoch: bool,
+    ) -> list[Any]:
+        """The epoch's training batches, each with its validation check; returns the
+        validation loaders (reloaded on Lightning's schedule)."""
+        reducer, track = self._reducer, not self.barebones
+        snapshot = train_loader.state_dict if stateful(train_loader) else None
+        for i, batch, is_last, position in lookahead(train_loader, batches, snapshot=snapshot):
+            batch_idx = i + offset
+            if batch_idx < skip:
+                continue
+            self._data_position = position
+            self._emit(Event.ON_TRAIN_BATCH_START, batch=batch, batch_idx=batch_idx)
+            steps = is_last or (batch_idx + 1) % self.accumulate_grad_batches == 0
+            if steps:
+                self._emit(Event.ON_BEFORE_OPTIMIZER_STEP, batch_idx=batch_idx)
+            self._state, metrics = step(self._state, batch, flush=is_last)
+            if track:
+                assert reducer is not None
+                reducer.update(metrics, batch_size(batch))
+                if steps and self._state.step % self.log_every_n_steps == 0:
+                    self._log_step(metrics)
+            self._phase = "batch_end"
+            self._emit(Event.ON_TRAIN_BATCH_END, outputs=metrics, batch=batch, batch_idx=batch_idx)
+            if validate_this_epoch and self._should_validate(
+                batch_idx, self._total_batch_idx, is_last
+            ):
+                self._phase = "validation"
+                val_loaders = self._reload_val_loaders(val_loaders, dm)
+                self._evaluate("validation", evaluate, val_loaders, self.num_val_batches, log=True)
+            self._total_batch_idx += 1
+            self._phase = "between"
+            if self._signal is not None:
+                self._stop_for_signal()
+            if self._epoch_done():
+                break
+        return val_loaders
 
     def _reload_val_loaders(self, val_loaders: list[Any], dm: Any) -> list[Any]:
         """Lightning's reload_dataloaders_every_n_epochs for validation: the loaders are fetched
