@@ -67,6 +67,50 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...], later: str = "
     return value
 
 
+_LATER = "not supported yet: other values arrive with the device/precision/distributed work"
+_FLAG = (None, True, False)
+
+# the values each flag accepts now, and why others are refused (empty: they are wrong)
+CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "accelerator": (("auto", "cpu"), _LATER),
+    "strategy": (("auto", "single_device"), _LATER),
+    "devices": (("auto", 1, "1", -1, "-1", [0], (0,)), _LATER),
+    "num_nodes": ((1,), _LATER),
+    "precision": ((None, 32, "32", "32-true"), _LATER),
+    "plugins": ((None, []), _LATER),
+    "sync_batchnorm": ((False,), _LATER),
+    "use_distributed_sampler": ((True, False), ""),
+    "inference_mode": ((True, False), ""),
+    "detect_anomaly": ((True, False), ""),
+    "barebones": ((True, False), ""),
+    "enable_checkpointing": (_FLAG, ""),
+    "enable_progress_bar": (_FLAG, ""),
+    "enable_model_summary": (_FLAG, ""),
+    "enable_journal": (_FLAG, ""),
+    "deterministic": ((None, True, False, "warn"), ""),
+    "benchmark": (_FLAG, ""),
+    "profiler": ((None, "simple", "pytorch"), ""),
+    "gradient_clip_algorithm": ((None, "norm", "value"), ""),
+}
+
+
+def check_choices(**flags: Any) -> None:
+    """Each flag against :data:`CHOICES`."""
+    for name, value in flags.items():
+        choices, why = CHOICES[name]
+        check_choice(name, value, choices, why)
+
+
+def check_barebones(**flags: Any) -> None:
+    """``barebones=True`` refuses every flag with a per-step cost (given as ``name=is_on``)."""
+    for flag, on in flags.items():
+        if on:
+            raise ValueError(
+                f"`Trainer(barebones=True)` doesn't support `{flag}`; barebones turns off "
+                f"everything with per-step cost. Drop `{flag}=...` or set barebones=False."
+            )
+
+
 def parse_max_time(value: Any) -> timedelta | None:
     """``max_time`` as Lightning takes it: "DD:HH:MM:SS", a timedelta, or a dict of timedelta
     keyword arguments (the Timer listener's parser, with the flag named in the error)."""

@@ -118,36 +118,33 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         compile: bool | Mapping[str, Any] = False,
         enable_journal: bool | None = None,
     ) -> None:
-        # -- placement and scale-out: single-process CPU until their own issues land
-        later = "not supported yet: other values arrive with the device/precision/distributed work"
-        cfg.check_choice("accelerator", accelerator, ("auto", "cpu"), later)
-        cfg.check_choice("strategy", strategy, ("auto", "single_device"), later)
-        cfg.check_choice("devices", devices, ("auto", 1, "1", -1, "-1", [0], (0,)), later)
-        cfg.check_choice("num_nodes", num_nodes, (1,), later)
-        cfg.check_choice("precision", precision, (None, 32, "32", "32-true"), later)
-        cfg.check_choice("plugins", plugins, (None, []), later)
-        cfg.check_choice("sync_batchnorm", sync_batchnorm, (False,), later)
-        cfg.check_choice("use_distributed_sampler", use_distributed_sampler, (True, False))
-        cfg.check_choice("inference_mode", inference_mode, (True, False))
-        cfg.check_choice("detect_anomaly", detect_anomaly, (True, False))
-        cfg.check_choice("barebones", barebones, (True, False))
-        for flag, value in (
-            ("enable_checkpointing", enable_checkpointing),
-            ("enable_progress_bar", enable_progress_bar),
-            ("enable_model_summary", enable_model_summary),
-            ("enable_journal", enable_journal),
-        ):
-            cfg.check_choice(flag, value, (None, True, False))
+        # -- flags with a fixed set of values (placement and scale-out: single-process CPU until
+        # their own issues land; _config.CHOICES)
+        cfg.check_choices(
+            accelerator=accelerator,
+            strategy=strategy,
+            devices=devices,
+            num_nodes=num_nodes,
+            precision=precision,
+            plugins=plugins,
+            sync_batchnorm=sync_batchnorm,
+            use_distributed_sampler=use_distributed_sampler,
+            inference_mode=inference_mode,
+            detect_anomaly=detect_anomaly,
+            barebones=barebones,
+            enable_checkpointing=enable_checkpointing,
+            enable_progress_bar=enable_progress_bar,
+            enable_model_summary=enable_model_summary,
+            enable_journal=enable_journal,
+            deterministic=deterministic,
+            benchmark=benchmark,
+            profiler=profiler,
+            gradient_clip_algorithm=gradient_clip_algorithm,
+        )
         if not isinstance(compile, (bool, Mapping)):
             raise ValueError(
                 f"Trainer(compile={compile!r}): pass True, False or a dict of torch.compile options"
             )
-        cfg.check_choice("deterministic", deterministic, (None, True, False, "warn"))
-        cfg.check_choice("benchmark", benchmark, (None, True, False))
-        cfg.check_choice("profiler", profiler, (None, "simple", "pytorch"))
-        cfg.check_choice(
-            "gradient_clip_algorithm", gradient_clip_algorithm, (None, "norm", "value")
-        )
         if gradient_clip_val is not None and (
             isinstance(gradient_clip_val, bool)
             or not isinstance(gradient_clip_val, (int, float))
@@ -206,25 +203,19 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         # -- barebones: the bare loop; everything that costs per step is off and refused
         self.barebones = barebones
         if barebones:
-            offending = {
-                "logger": logger not in (None, False),
-                "enable_checkpointing": bool(enable_checkpointing),
-                "enable_progress_bar": bool(enable_progress_bar),
-                "enable_model_summary": bool(enable_model_summary),
-                "enable_journal": bool(enable_journal),
-                "log_every_n_steps": log_every_n_steps is not None,
-                "detect_anomaly": detect_anomaly,
-                "profiler": profiler is not None,
+            cfg.check_barebones(
+                logger=logger not in (None, False),
+                enable_checkpointing=bool(enable_checkpointing),
+                enable_progress_bar=bool(enable_progress_bar),
+                enable_model_summary=bool(enable_model_summary),
+                enable_journal=bool(enable_journal),
+                log_every_n_steps=log_every_n_steps is not None,
+                detect_anomaly=detect_anomaly,
+                profiler=profiler is not None,
                 # Lightning also turns these off in barebones mode
-                "num_sanity_val_steps": num_sanity_val_steps not in (None, 0),
-                "fast_dev_run": bool(fast_dev_run),
-            }
-            for flag, on in offending.items():
-                if on:
-                    raise ValueError(
-                        f"`Trainer(barebones=True)` doesn't support `{flag}`; barebones turns off "
-                        f"everything with per-step cost. Drop `{flag}=...` or set barebones=False."
-                    )
+                num_sanity_val_steps=num_sanity_val_steps not in (None, 0),
+                fast_dev_run=bool(fast_dev_run),
+            )
             enable_checkpointing = enable_progress_bar = enable_model_summary = False
             enable_journal = False
             logger = False
