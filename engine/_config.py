@@ -9,13 +9,13 @@ import math
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 __all__: list[str] = []
 
 
 def run_config(trainer: Any) -> dict[str, Any]:
     """The Trainer's resolved flags as JSON values (for checkpoints and the run directory)."""
-    import torch
-
     keep = (int, float, str, bool, type(None))
     config: dict[str, Any] = {
         k: v for k, v in vars(trainer).items() if not k.startswith("_") and isinstance(v, keep)

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from engine import _tree
 from engine.rng import derive_seed
 
 __all__ = [
@@ -173,16 +174,12 @@ def state_to_json(obj: Any) -> Any:
         >>> back["pos"], back["rng"].tolist(), back["t"]
         (3, [1, 2], (1, 2.5))
     """
-    from engine._tree import to_json
-
-    return to_json(obj, "loader state")
+    return _tree.to_json(obj, "loader state")
 
 
 def state_from_json(doc: Any) -> Any:
     """The inverse of :func:`state_to_json`."""
-    from engine._tree import from_json
-
-    return from_json(doc)
+    return _tree.from_json(doc)
 
 
 def batch_size(batch: Any) -> int:

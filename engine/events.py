@@ -244,7 +244,7 @@ class Emitter:
         if not handlers:
             return
         record = make_record()
-        outer = self._event, self._index
+        outer_event, outer_index = self._event, self._index  # emits nest (a save in a handler)
         self._event = event
         try:
             for i, handle in enumerate(handlers):
@@ -255,7 +255,7 @@ class Emitter:
                 if out is not None:
                     on_request(out)
         finally:
-            self._event, self._index = outer
+            self._event, self._index = outer_event, outer_index
 
     def pending(self) -> tuple[Event, list[Any]] | None:
         """The event being dispatched and the listeners that have not had it yet."""
