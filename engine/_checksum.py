@@ -1,9 +1,10 @@
-"""Checksums of checkpoint files (private): SHA-256 over 8 MiB chunks, hashed on worker
+"""Checksums of checkpoint files (private): XXH3-128 over 8 MiB chunks, hashed on worker
 threads while a file is written (from the tensors' own memory) or read (from mapped pages).
 
-A chunked checksum lets several cores hash one file; the chunk size is part of its definition
-(``sha256-chunks-8MiB:<hex>`` in ``meta.json``). Format version 1 used one SHA-256 of the whole
-file (:func:`_sha256`), still verified on load.
+A chunked checksum lets several cores hash one file; the hash and the chunk size are part of its
+definition (``xxh3-128-chunks-8MiB:<hex>`` in ``meta.json``). Older formats are still verified:
+version 2 used SHA-256 over the same chunks (``sha256-chunks-8MiB:<hex>``), version 1 one SHA-256
+of the whole file (a bare hex digest, :func:`_sha256`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from torch import Tensor
 
 try:
@@ -32,7 +34,12 @@ except ImportError:  # then every written byte is copied for hashing
 __all__: list[str] = []
 
 _CHUNK = 8 << 20  # bytes per hashed chunk; part of the checksum's definition
-_SCHEME = "sha256-chunks-8MiB"  # how meta.json names it: "sha256-chunks-8MiB:<hex>"
+_SCHEME = "xxh3-128-chunks-8MiB"  # how meta.json names it: "xxh3-128-chunks-8MiB:<hex>"
+# chunked schemes by name -> a new hash object of their hash; the first is the one written
+_SCHEMES: dict[str, Callable[[], Any]] = {
+    _SCHEME: xxhash.xxh3_128,  # format version 3; xxhash >= 4 hashes without holding the GIL
+    "sha256-chunks-8MiB": hashlib.sha256,  # format version 2
+}
 _INLINE = 1 << 16  # smaller writes are copied for hashing, not looked up among the tensors
 _MAX_COPIED = 64 << 20  # bytes copied and not yet hashed, at most
 
@@ -62,7 +69,7 @@ class _Executor:
         return self._pool if self._pid == os.getpid() else None
 
 
-# Hashing threads: hashlib releases the GIL on buffers over 2 KiB, so chunks hash in parallel.
+# Hashing threads: xxhash (>= 4) and hashlib release the GIL, so chunks hash in parallel.
 _HASHERS = _Executor(lambda: max(2, min(8, os.cpu_count() or 2)), "engine-checksum")
 # One writer thread: asynchronous saves complete in the order they were asked for.
 _WRITER = _Executor(lambda: 1, "engine-checkpoint")
@@ -80,12 +87,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _combine(digests: Iterable[bytes]) -> str:
-    return f"{_SCHEME}:{hashlib.sha256(b''.join(digests)).hexdigest()}"
+def _combine(scheme: str, digests: Iterable[bytes]) -> str:
+    h = _SCHEMES[scheme]()
+    h.update(b"".join(digests))
+    return f"{scheme}:{h.hexdigest()}"
 
 
 class _ChunkHasher:
-    """SHA-256s a file's chunks on the hashing threads, as they become available.
+    """Hashes a file's chunks on the hashing threads, as they become available.
 
     While the caller still works (writes the file, or copies the tensors out of it), at most one
     thread fewer than there are cores hashes, so that hashing does not slow the caller down;
@@ -94,7 +103,8 @@ class _ChunkHasher:
     wait for nothing but this object's lock, so no use of the shared pool can deadlock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, scheme: str = _SCHEME) -> None:
+        self.scheme, self.new = scheme, _SCHEMES[scheme]
         self.pos = 0  # bytes fed
         self.segments: list[Any] = []  # of the chunk being filled
         self.copied = 0  # bytes of it that the caller copied for hashing
@@ -144,7 +154,7 @@ class _ChunkHasher:
                     return
                 index, segments, copied = self.ready.popleft()
             try:
-                digest = _hash_segments(segments)
+                digest = _hash_segments(self.new(), segments)
             except BaseException as e:
                 with self.cond:
                     self.error = e
@@ -166,11 +176,10 @@ class _ChunkHasher:
                 self.cond.wait()
             if self.error is not None:
                 raise self.error
-            return _combine(d for d in self.digests if d is not None)
+            return _combine(self.scheme, (d for d in self.digests if d is not None))
 
 
-def _hash_segments(segments: list[Any]) -> bytes:
-    h = hashlib.sha256()
+def _hash_segments(h: Any, segments: list[Any]) -> bytes:
     for segment in segments:
         h.update(segment)  # releases the GIL: chunks hash in parallel
     return h.digest()
@@ -179,19 +188,19 @@ def _hash_segments(segments: list[Any]) -> bytes:
 def _start_checksum(path: Path, expected: str) -> Callable[[], str]:
     """Start hashing ``path`` in the scheme of ``expected``; the result gives its checksum.
 
-    The chunked scheme hashes the chunks in parallel straight from the page cache; a bare hex
+    A chunked scheme hashes the chunks in parallel straight from the page cache; a bare hex
     digest (format version 1) is one SHA-256 of the whole file, on one thread.
     """
     scheme, sep, _ = expected.rpartition(":")
     if not sep:
         return _HASHERS.get().submit(_sha256, path).result
-    if scheme != _SCHEME:
+    if scheme not in _SCHEMES:
         from engine.checkpoint import CheckpointError  # only here: checkpoint imports this module
 
         raise CheckpointError(
             f"{path}: unknown checksum scheme {scheme!r} in meta.json; upgrade engine to verify it"
         )
-    hasher = _ChunkHasher()
+    hasher = _ChunkHasher(scheme)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size:
@@ -331,11 +340,11 @@ def _layout(path: Path, mapped: Mapping[str, Tensor]) -> list[tuple[int, Any]] |
     return [(offset, storages[a]) for a, (offset, _) in zip(addresses, records, strict=True)]
 
 
-def _hash_mapped(path: Path, layout: list[tuple[int, Any]]) -> Callable[[], str]:
+def _hash_mapped(path: Path, layout: list[tuple[int, Any]], scheme: str) -> Callable[[], str]:
     """Start hashing ``path`` from the storages ``torch.load(mmap=True)`` mapped (see
     :func:`_layout`), reading only the few bytes between them: the pages the tensors are then
     copied from are read from memory once, and page-mapped once."""
-    hasher = _ChunkHasher()
+    hasher = _ChunkHasher(scheme)
     with open(path, "rb") as f:
         size, pos = os.fstat(f.fileno()).st_size, 0
         for offset, storage in layout:

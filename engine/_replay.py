@@ -189,13 +189,14 @@ class _Checker(Listener):
         journaled = self.start_line.get("fingerprint")
         if journaled is not None:
             self.compared += 1
-            if journaled != state.fingerprint():
+            actual = _fingerprint(state, journaled)
+            if journaled != actual:
                 raise _Diverged(
                     Divergence(
                         state.step,
                         state.epoch,
                         state.batch_idx,
-                        {"fingerprint": (journaled, state.fingerprint())},
+                        {"fingerprint": (journaled, actual)},
                     )
                 )
 
@@ -234,12 +235,20 @@ class _Checker(Listener):
                 if not _same(line["lr"], value):
                     diffs["lr"] = (line["lr"], value)
             if "fingerprint" in line:
-                fingerprint = fingerprint or state.fingerprint()
+                fingerprint = fingerprint or _fingerprint(state, line["fingerprint"])
                 self.compared += 1
                 if line["fingerprint"] != fingerprint:
                     diffs["fingerprint"] = (line["fingerprint"], fingerprint)
             if diffs:
                 raise _Diverged(Divergence(state.step, state.epoch, state.batch_idx, diffs))
+
+
+def _fingerprint(state: TrainState, journaled: Any) -> str:
+    """The state's fingerprint in the algorithm of a journaled one (64 hex digits: SHA-256, as
+    engine wrote before checkpoint format 3)."""
+    return state.fingerprint(
+        "sha256" if isinstance(journaled, str) and len(journaled) == 64 else "xxh3_128"
+    )
 
 
 def _find_checkpoint(root: Path, lines: list[dict[str, Any]], from_step: int) -> tuple[Path, dict]:

@@ -14,9 +14,9 @@ checkpoints intact, and :func:`clean_leftovers` removes a half-written one. Load
 checksum before it returns anything and never executes code (``torch.load(weights_only=True)``;
 a payload that needs more is refused).
 
-The checksum is SHA-256 over 8 MiB chunks (the SHA-256 of the chunks' SHA-256 digests), so that
-the chunks are hashed in parallel: while a save writes, and while a load reads. Format version 1
-recorded one SHA-256 of the whole file; such checkpoints still load.
+The checksum is XXH3-128 over 8 MiB chunks (the XXH3-128 of the chunks' digests), so that the
+chunks are hashed in parallel: while a save writes, and while a load reads. Checkpoints of format
+versions 1 (one SHA-256 of the whole file) and 2 (SHA-256 over the same chunks) still load.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ except ImportError:  # then every written byte is copied for hashing
 
 from engine import _tree
 from engine._checksum import (
-    _SCHEME,
+    _SCHEMES,
     _WRITER,
     _hash_mapped,
     _HashingWriter,
@@ -70,7 +70,7 @@ __all__ = [
     "wait",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 META, TENSORS = "meta.json", "tensors.pt"
 _TMP_PREFIX = ".tmp-ckpt-"
 
@@ -401,7 +401,8 @@ def _verified_tensors(
     # run code whatever the bytes are) and copies the tensors out of the mapping while the
     # hashing threads checksum the same pages. Nothing is returned before every checksum has
     # matched.
-    from_mapping = np is not None and files[TENSORS].startswith(_SCHEME + ":")
+    scheme = files[TENSORS].rpartition(":")[0]
+    from_mapping = np is not None and scheme in _SCHEMES
     digests = {
         name: _start_checksum(path / name, d)
         for name, d in files.items()
@@ -414,7 +415,7 @@ def _verified_tensors(
         if from_mapping:
             layout = _layout(path / TENSORS, loaded) if isinstance(loaded, dict) else None
             digests[TENSORS] = (
-                _hash_mapped(path / TENSORS, layout)
+                _hash_mapped(path / TENSORS, layout, scheme)
                 if layout is not None
                 else _start_checksum(path / TENSORS, files[TENSORS])
             )
@@ -429,8 +430,9 @@ def _verified_tensors(
         actual = digests[name]()
         if actual != digest:
             raise CheckpointError(
-                f"{path / name}: SHA-256 check failed (expected {_short(digest)}..., got "
-                f"{_short(actual)}...); the file is truncated or damaged"
+                f"{path / name}: checksum check failed ({digest.rpartition(':')[0] or 'sha256'} "
+                f"expected {_short(digest)}..., got {_short(actual)}...); the file is truncated "
+                "or damaged"
             )
     if failure is not None:  # intact bytes that the safe loader refuses: not only tensors
         raise CheckpointError(

@@ -92,6 +92,32 @@ def test_replay_starts_from_the_newest_checkpoint_before_from_step(tmp_path):
     assert sorted(report.losses) == [7, 8, 9]
 
 
+def test_a_journal_with_sha256_fingerprints_still_replays_and_is_checked(tmp_path):
+    # engine before checkpoint format 3 journaled SHA-256 fingerprints (64 hex digits)
+    saver = eg.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=4, save_top_k=-1)
+    trainer = _fit(tmp_path, callbacks=[saver])
+    path = Path(trainer.run_dir) / "journal.jsonl"
+    lines = Journal.read(trainer.run_dir)
+    template = _task().init(_model(), seed=7)
+    rewritten = 0
+    for line in lines:
+        if "fingerprint" in line:
+            state = eg.checkpoint.load(line["checkpoint"], template)
+            assert line["fingerprint"] == state.fingerprint()
+            line["fingerprint"] = state.fingerprint("sha256")
+            rewritten += 1
+    assert rewritten >= 3  # the start and the checkpoints at steps 4, 8 and 12
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report = eg.replay(trainer.run_dir, 5, 12, trust_code=True)
+    assert report.identical, str(report)
+    last = next(x for x in reversed(lines) if "fingerprint" in x and x["step"] == 12)
+    last["fingerprint"] = "0" * 64
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report = eg.replay(trainer.run_dir, 5, 12, trust_code=True)
+    assert report.divergence is not None and report.divergence.step == 12
+    assert report.divergence.values["fingerprint"][0] == "0" * 64
+
+
 def test_a_tampered_journal_is_reported_at_its_step_with_both_values(tmp_path):
     trainer = _fit(tmp_path)
     path = Path(trainer.run_dir) / "journal.jsonl"
