@@ -240,7 +240,9 @@ def time_trainer(rounds: int) -> dict[str, float]:
     x, y = batch(sizes, n)
     data = [(x, y)] * BATCHES
     out: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        # every round fits into the same logger version on purpose (no directory per round)
+        warnings.filterwarnings("ignore", "ModelCheckpoint: the checkpoint directory")
         times = _interleave(_engine_variants(sizes, data, tmp), rounds)
         out["trainer_barebones_vs_hand"] = _ratio(times, "trainer_barebones", "hand")
         out["trainer_logged_vs_hand"] = _ratio(times, "trainer_logged", "hand")
