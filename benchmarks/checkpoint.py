@@ -122,11 +122,17 @@ def _round(
         for k, fn in group if order % 2 else group[::-1]:
             times[k] = _timed(fn)
     future: list[Any] = []
-    times["async_blocked"] = _timed(lambda: future.append(checkpoint.save_async(state, later)))
-    future[0].result()  # the write ends before anything else is timed
-    times["copy"] = _timed(
-        lambda: [b.copy_(t) for b, t in zip(buffers, tensors.values(), strict=True)]
-    )
+
+    def snapshot() -> None:
+        times["async_blocked"] = _timed(lambda: future.append(checkpoint.save_async(state, later)))
+        future[0].result()  # the write ends before anything else is timed
+
+    def copy() -> None:
+        pairs = zip(buffers, tensors.values(), strict=True)
+        times["copy"] = _timed(lambda: [b.copy_(t) for b, t in pairs])
+
+    for fn in (snapshot, copy) if order % 2 else (copy, snapshot):
+        fn()
     for p in (ours, theirs, nocrc, later):
         _remove(p)
     return times
