@@ -283,7 +283,10 @@ def _clone_leaf(x: Any) -> Any:
     return x
 
 
-_FINGERPRINTS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+_FINGERPRINTS: dict[str, Callable[[], Any]] = {
+    "xxh3_128": xxhash.xxh3_128,
+    "sha256": hashlib.sha256,
+}
 
 
 def _hash_leaf(h: Any, leaf: Any) -> None:
