@@ -29,9 +29,11 @@ __all__ = [
     "order_outside_the_state",
     "position_loader",
     "resolve_loaders",
+    "seed_shuffle",
     "state_from_json",
     "state_to_json",
     "stateful",
+    "unseed_shuffle",
 ]
 
 INF = math.inf
@@ -325,21 +327,79 @@ class ShuffleSampler(Sampler[int]):
         return self.n
 
 
+SHUFFLE = 5  # derive_seed stream of the order a RandomSampler draws when the Trainer seeds it
+_SEEDED = "_engine_seeded"  # marks a RandomSampler whose generator the Trainer put there
+
+
+def _random_sampler(loader: Any) -> torch.utils.data.RandomSampler | None:
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for s in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if isinstance(s, torch.utils.data.RandomSampler):
+            return s
+    return None
+
+
 def order_outside_the_state(loader: Any) -> bool:
-    """Whether ``loader`` shuffles with torch's ``RandomSampler``, whose order comes from a
-    generator that is not part of the run's state (so a resume or a replay sees other batches).
+    """Whether ``loader`` shuffles with a ``RandomSampler`` that draws from a generator the user
+    gave it, which is not part of the run's state (so a resume or a replay sees other batches).
+
+    A ``RandomSampler`` without a generator of its own (``DataLoader(..., shuffle=True)``) is
+    not: the Trainer seeds it from ``(seed, epoch)`` each epoch (:func:`seed_shuffle`).
 
     Example:
+        >>> import torch
         >>> from torch.utils.data import DataLoader
         >>> order_outside_the_state(DataLoader(range(8), shuffle=True))
+        False
+        >>> g = torch.Generator().manual_seed(0)
+        >>> order_outside_the_state(DataLoader(range(8), shuffle=True, generator=g))
         True
         >>> order_outside_the_state(DataLoader(range(8), sampler=ShuffleSampler(8, seed=0)))
         False
     """
-    sampler = getattr(loader, "sampler", None)
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    samplers = (sampler, getattr(batch_sampler, "sampler", None))
-    return any(isinstance(s, torch.utils.data.RandomSampler) for s in samplers)
+    s = _random_sampler(loader)
+    return s is not None and s.generator is not None and not getattr(s, _SEEDED, False)
+
+
+def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
+    """Make the ``RandomSampler`` of ``loader``, if it has one without a generator of its own,
+    draw epoch ``epoch``'s order from a generator seeded with ``(seed, epoch)``; returns whether
+    it did. :func:`unseed_shuffle` puts the sampler back as it was.
+
+    ``DataLoader(..., shuffle=True)`` otherwise seeds each epoch's order from torch's global
+    generator, which no checkpoint holds. Seeded, the order is a pure function of the run's seed
+    and the epoch, so a resumed or replayed run sees the same batches. Skipping to a mid-epoch
+    position still loads the skipped batches; :class:`ShuffleSampler` skips without loading.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader
+        >>> loader = DataLoader(range(6), shuffle=True)
+        >>> seed_shuffle(loader, seed=0, epoch=1)
+        True
+        >>> first = [int(b) for b in loader]
+        >>> _ = torch.manual_seed(123)  # the global generator no longer matters
+        >>> _ = seed_shuffle(loader, seed=0, epoch=1)
+        >>> [int(b) for b in loader] == first
+        True
+        >>> unseed_shuffle(loader)
+        >>> loader.sampler.generator is None
+        True
+    """
+    s = _random_sampler(loader)
+    if s is None or (s.generator is not None and not getattr(s, _SEEDED, False)):
+        return False
+    s.generator = torch.Generator().manual_seed(derive_seed(seed, epoch, 0, stream=SHUFFLE))
+    setattr(s, _SEEDED, True)
+    return True
+
+
+def unseed_shuffle(loader: Any) -> None:
+    """Undo :func:`seed_shuffle`: the sampler draws from torch's global generator again."""
+    s = _random_sampler(loader)
+    if s is not None and getattr(s, _SEEDED, False):
+        s.generator = None
+        delattr(s, _SEEDED)
 
 
 def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:

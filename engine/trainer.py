@@ -32,7 +32,9 @@ from engine.data import (
     order_outside_the_state,
     position_loader,
     resolve_loaders,
+    seed_shuffle,
     stateful,
+    unseed_shuffle,
 )
 from engine.events import Emitter, Event, EventRecord, Stop
 from engine.metrics import MetricReducer
@@ -497,17 +499,21 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self.train_dataloader, self.datamodule = train_loaders[0], datamodule
         if order_outside_the_state(train_loaders[0]):
             warnings.warn(
-                "the training DataLoader shuffles with a RandomSampler (shuffle=True), whose "
-                "order comes from a generator outside the run's state: a run resumed from a "
-                "checkpoint or replayed will see other batches than this one. For exact resume "
-                "and replay pass sampler=engine.data.ShuffleSampler(dataset, seed=...) instead",
+                "the training DataLoader shuffles with a RandomSampler that draws from the "
+                "generator you gave it, which is outside the run's state: a run resumed from a "
+                "checkpoint or replayed will see other batches than this one. Leave out "
+                "generator= (the Trainer then seeds the order from the state's seed and the "
+                "epoch), or pass sampler=engine.data.ShuffleSampler(dataset, seed=...)",
                 stacklevel=2,
             )
         self._total_batch_idx = 0  # a checkpoint, if given, restores these
         self._phase, self._resume_phase, self._resume_event = "between", None, None
         self._data_position = self._resume_data_state = None
         with self._run("fit", task, state, ckpt_path):
-            self._fit(task, train_loaders[0], val_loaders, datamodule)
+            try:
+                self._fit(task, train_loaders[0], val_loaders, datamodule)
+            finally:
+                unseed_shuffle(train_loaders[0])  # shuffle=True draws from the global RNG again
         assert self._state is not None
         return self._state
 
@@ -626,6 +632,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         saved mid-epoch resumes there; the rest are fetched and dropped)."""
         assert self._state is not None
         skip = self._state.batch_idx
+        seed_shuffle(train_loader, self._state.seed, epoch)  # shuffle=True: order from the state
         offset = skip if position_loader(train_loader, epoch, skip) else 0
         restored, self._resume_data_state = self._resume_data_state, None
         if skip and not offset and restored is not None and stateful(train_loader):

@@ -162,13 +162,18 @@ def test_loader_states_round_trip_through_json():
         eg.data.state_to_json({"fn": lambda: 0})
 
 
-def test_fit_warns_that_a_random_sampler_makes_resume_and_replay_inexact(tmp_path):
+def test_fit_warns_when_a_random_sampler_draws_from_a_users_generator(tmp_path):
     import pytest
 
     task = _task()
     ds = Augmented()
-    with pytest.warns(UserWarning, match="ShuffleSampler"):
-        _trainer(max_epochs=1).fit(task, task.init(_model()), DataLoader(ds, shuffle=True))
+    g = torch.Generator().manual_seed(0)
+    with pytest.warns(UserWarning, match="generator you gave it"):
+        _trainer(max_epochs=1).fit(
+            task, task.init(_model()), DataLoader(ds, shuffle=True, generator=g)
+        )
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*RandomSampler")
         _trainer(max_epochs=1).fit(task, task.init(_model()), loader(0))
+        # shuffle=True without a generator: the Trainer seeds it from the state
+        _trainer(max_epochs=1).fit(task, task.init(_model()), DataLoader(ds, shuffle=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import torch
@@ -190,6 +191,47 @@ def test_shuffled_data_resumes_mid_epoch_bitwise_without_loading_the_skipped_bat
     resumed = _trainer(max_epochs=3).fit(task, task.init(_model()), _shuffled(ds), ckpt_path=ckpt)
     assert resumed.fingerprint() == full.fingerprint()
     assert ds.loaded == 40 - 12 + 40  # the rest of epoch 1, then epoch 2: nothing skipped is read
+
+
+def _plain_shuffle(ds: _Counted) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True)  # a RandomSampler
+
+
+def test_shuffle_true_resumes_mid_epoch_bitwise_in_a_fresh_process(tmp_path):
+    # the Trainer seeds a RandomSampler without a generator from (state seed, epoch), so the
+    # process's global generator (seeded differently in each of the three runs) plays no part
+    import pytest
+
+    ckpt = tmp_path / "c"
+    here = str(Path(__file__).parent)
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {here!r})
+        import torch
+        from test_resume import _task, _model, _trainer, _SaveAt, _Counted, _plain_shuffle
+        torch.manual_seed(222)
+        task = _task()
+        _trainer(max_epochs=3, max_steps=13, callbacks=[_SaveAt(13, {str(ckpt)!r})]).fit(
+            task, task.init(_model(), seed=5), _plain_shuffle(_Counted()))
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True)
+    assert checkpoint.read_meta(ckpt)["batch_idx"] == 3  # epoch 1, 3 of 10 batches done
+    task = _task()
+    torch.manual_seed(111)
+    loader = _plain_shuffle(_Counted())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning that the order is outside the state
+        full = _trainer(max_epochs=3).fit(task, task.init(_model(), seed=5), loader)
+    assert loader.sampler.generator is None  # put back as it was
+    torch.manual_seed(333)
+    with pytest.warns(UserWarning, match="loading and dropping 3 batches"):
+        resumed = _trainer(max_epochs=3).fit(
+            task, task.init(_model()), _plain_shuffle(_Counted()), ckpt_path=ckpt
+        )
+    assert resumed.fingerprint() == full.fingerprint()
+    # and the epochs were shuffled: a run over the unshuffled order ends elsewhere
+    ordered = torch.utils.data.DataLoader(_Counted(), batch_size=4)
+    other = _trainer(max_epochs=3).fit(task, task.init(_model(), seed=5), ordered)
+    assert other.fingerprint() != full.fingerprint()
 
 
 def test_the_epoch_order_is_a_function_of_seed_and_epoch_only():
