@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Collection, Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,13 +108,29 @@ class CheckpointingMixin:
             key_of = {id(x): k for k, x in self._keyed_listeners(stateful_only=False)}
             event, waiting = pending
             event_state = [event.value, [key_of[id(x)] for x in waiting if id(x) in key_of]]
-        self._emit(Event.ON_SAVE_CHECKPOINT, checkpoint_path=os.fspath(filepath))
-        return self._write_checkpoint(
-            filepath,
-            metrics=metrics,
-            asynchronous=asynchronous,
-            event=None if pending is None else event_state,
+        if not asynchronous:
+            self._emit(Event.ON_SAVE_CHECKPOINT, checkpoint_path=os.fspath(filepath))
+            return self._write_checkpoint(
+                filepath, metrics=metrics, event=None if pending is None else event_state
+            )
+        # the event comes first (a listener's state must be in the checkpoint), the write after:
+        # listeners get a future that the write's future completes
+        landed: Future[Path] = Future()
+        self._emit(
+            Event.ON_SAVE_CHECKPOINT, checkpoint_path=os.fspath(filepath), checkpoint_future=landed
         )
+        try:
+            future = self._write_checkpoint(
+                filepath,
+                metrics=metrics,
+                asynchronous=True,
+                event=None if pending is None else event_state,
+            )
+        except BaseException as e:
+            landed.set_exception(e)
+            raise
+        future.add_done_callback(lambda f: _complete(landed, f))
+        return future
 
     def _write_checkpoint(
         self,
@@ -156,13 +173,12 @@ class CheckpointingMixin:
             # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
             "train_metrics": self._reducer.state_dict() if self._reducer is not None else None,
         }
-        save = checkpoint.save_async if asynchronous else checkpoint.save
-        return save(
-            self._state,
-            filepath,
-            metrics=dict(self.callback_metrics) if metrics is None else metrics,
-            extra=extra,
-        )
+        metrics = dict(self.callback_metrics) if metrics is None else metrics
+        if asynchronous:  # its fingerprint is hashed from the snapshot, off the loop (journal)
+            return checkpoint.save_async(
+                self._state, filepath, metrics=metrics, extra=extra, fingerprint=True
+            )
+        return checkpoint.save(self._state, filepath, metrics=metrics, extra=extra)
 
     def _resolve_ckpt(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
         if ckpt_path not in ("last", "best"):
@@ -326,6 +342,15 @@ def _recency(path: Path) -> tuple[int, int, float]:
         return -1, -1, path.stat().st_mtime
     saved_ns = meta.get("extra", {}).get("trainer", {}).get("saved_at_ns", -1)
     return int(meta.get("step", -1)), int(saved_ns), path.stat().st_mtime
+
+
+def _complete(landed: Future[Path], write: Future[Path]) -> None:
+    """Complete ``landed`` as ``write`` completed (on the writer thread)."""
+    error = write.exception()
+    if error is None:
+        landed.set_result(write.result())
+    else:
+        landed.set_exception(error)
 
 
 def _finite_or_str(metrics: Mapping[str, float]) -> dict[str, Any]:

@@ -230,15 +230,36 @@ def save(
     return _write(tensors, _meta(state, scalars, metrics, extra, fingerprint), Path(path))
 
 
-def _write_snapshot(snapshot: _Snapshot, meta: Mapping[str, Any], target: Path) -> Path:
+def _write_snapshot(
+    snapshot: _Snapshot, meta: dict[str, Any], target: Path, view: TrainState | None
+) -> Path:
     # Let save_async return first: it is about to, holding the GIL, and this thread, woken by
     # the submission, would otherwise take the GIL from it for a switch interval (5 ms).
     time.sleep(0.001)
     try:
         snapshot.ready()
+        if view is not None:  # the snapshot holds the saved bits: hash them here, off the loop
+            meta["fingerprint"] = view.fingerprint()
         return _write(snapshot.tensors, meta, target)
     finally:
         _SNAPSHOTS.give_back(snapshot)
+
+
+def _snapshot_view(state: TrainState, snapshot: _Snapshot) -> TrainState:
+    """``state`` with every tensor its fingerprint covers read from ``snapshot`` (host copies:
+    for hashing only, nothing is moved back to a device)."""
+    copies = snapshot.tensors
+    leaves, spec = pytree.tree_flatten_with_path(state.opt_state)
+    opt = [copies.get(f"opt_state/{pytree.keystr(path)}", leaf) for path, leaf in leaves]
+    return state.replace(
+        params={k: copies[f"params/{k}"] for k in state.params},
+        buffers={k: copies[f"buffers/{k}"] for k in state.buffers},
+        grad_accum=None
+        if state.grad_accum is None
+        else {k: copies[f"grad_accum/{k}"] for k in state.grad_accum},
+        opt_state=pytree.tree_unflatten(opt, spec),
+        _ownership=type(state._ownership)(),
+    )
 
 
 def save_async(
@@ -247,6 +268,7 @@ def save_async(
     *,
     metrics: Mapping[str, float] | None = None,
     extra: Mapping[str, Any] | None = None,
+    fingerprint: bool = False,
 ) -> Future[Path]:
     """Snapshot ``state`` now and write it to ``path`` in the background.
 
@@ -256,6 +278,8 @@ def save_async(
     Training may go on donating the live state's tensors meanwhile (on a GPU: on the stream that
     was current at the call, so that it runs after the copies). The returned future gives the
     path, or raises what :func:`save` would have; :func:`wait` waits for all of them.
+    ``fingerprint=True`` records ``state.fingerprint()`` in ``meta.json`` as :func:`save` does,
+    hashed from the snapshot on the writer thread, so it does not block the caller either.
 
     Example:
         >>> import tempfile, torch
@@ -277,7 +301,8 @@ def save_async(
         return failed
     snapshot = _SNAPSHOTS.take(tensors)
     try:
-        return _WRITER.get().submit(_write_snapshot, snapshot, meta, Path(path))
+        view = _snapshot_view(state, snapshot) if fingerprint else None
+        return _WRITER.get().submit(_write_snapshot, snapshot, meta, Path(path), view)
     except BaseException:
         _SNAPSHOTS.give_back(snapshot)
         raise

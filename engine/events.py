@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+    from pathlib import Path
+
     from engine.state import TrainState
     from engine.trainer import Trainer
 
@@ -93,6 +96,9 @@ class EventRecord:
         exception: the exception, for ``on_exception``.
         checkpoint_path: the checkpoint being written or read, for ``on_save_checkpoint`` /
             ``on_load_checkpoint``.
+        checkpoint_future: for ``on_save_checkpoint`` of an asynchronous save, a future of the
+            checkpoint's path that completes once it is on disk (or fails as the write did);
+            None for a synchronous save, which is on disk when the event's caller returns.
         trainer: the Trainer, for its read-only properties (``global_step``,
             ``num_training_batches``, ``logged_metrics``, ...).
     """
@@ -108,6 +114,7 @@ class EventRecord:
     batch: Any = None
     exception: BaseException | None = None
     checkpoint_path: str | None = None
+    checkpoint_future: Future[Path] | None = None
 
 
 @attrs.frozen

@@ -107,3 +107,61 @@ def test_checkpoints_are_journaled_with_a_fingerprint_and_a_resume_appends(tmp_p
     assert lines[1]["fingerprint"] == saver.fingerprint == lines[3]["fingerprint"]
     assert "fingerprint" not in lines[2]
     assert lines[2]["loss"] == lines[4]["loss"]  # the resumed step 5 is the same step 5
+
+
+class _SaveAsyncAt(eg.Listener):
+    def __init__(self, steps, root):
+        self.steps, self.root, self.fingerprints = steps, root, {}
+
+    def on_train_batch_end(self, rec):
+        if rec.state.step in self.steps and rec.state.step not in self.fingerprints:
+            self.fingerprints[rec.state.step] = rec.state.fingerprint()
+            rec.trainer.save_checkpoint(self.root / f"s{rec.state.step}", asynchronous=True)
+
+
+def test_an_asynchronous_checkpoint_is_journaled_once_on_disk_with_the_writers_fingerprint(
+    tmp_path, monkeypatch
+):
+    from concurrent.futures import Future
+
+    from engine import checkpoint
+
+    real, hashed_on_loop = checkpoint.save_async, []
+    monkeypatch.setattr(  # the loop thread hashes no state for these lines
+        eg.TrainState, "fingerprint", _counting(eg.TrainState.fingerprint, hashed_on_loop)
+    )
+
+    def failing_at_step_4(state, path, **kw):
+        if state.step == 4:
+            failed: Future = Future()
+            failed.set_exception(OSError("disk full"))
+            return failed
+        return real(state, path, **kw)
+
+    monkeypatch.setattr(checkpoint, "save_async", failing_at_step_4)
+    task, saver = _task(), _SaveAsyncAt({2, 4, 5}, tmp_path)
+    journal = Journal(tmp_path / "run", every_n_steps=100, fingerprint_every_n_steps=0)
+    _trainer(tmp_path, max_epochs=1, callbacks=[journal, saver]).fit(
+        task, task.init(nn.Linear(3, 1)), _data()
+    )
+    lines = [x for x in Journal.read(tmp_path / "run") if not x.get("start")]
+    # step 4's write failed: no line points at a checkpoint that is not there
+    assert [(x["step"], x["checkpoint"]) for x in lines] == [
+        (2, str(tmp_path / "s2")),
+        (5, str(tmp_path / "s5")),
+    ]
+    for line in lines:
+        assert line["fingerprint"] == saver.fingerprints[line["step"]]
+    # the saver hashed the state three times itself; the journal added one (the start line)
+    assert len(hashed_on_loop) == 4
+
+
+def _counting(fn, calls):
+    import threading
+
+    def wrapped(self, *a, **k):
+        if threading.current_thread() is threading.main_thread():
+            calls.append(self.step)
+        return fn(self, *a, **k)
+
+    return wrapped

@@ -82,8 +82,11 @@ def test_a_replay_of_the_whole_run_is_bitwise_identical(tmp_path):
     assert "bitwise identical" in str(report)
 
 
-def test_replay_starts_from_the_newest_checkpoint_before_from_step(tmp_path):
-    saver = eg.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1)
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_replay_starts_from_the_newest_checkpoint_before_from_step(tmp_path, asynchronous):
+    saver = eg.ModelCheckpoint(
+        dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1, asynchronous=asynchronous
+    )
     trainer = _fit(tmp_path, callbacks=[saver])
     report = eg.replay(trainer.run_dir, 7, 9, trust_code=True)
     assert report.identical, str(report)

@@ -5,7 +5,9 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
 * ``journal.jsonl``: JSON lines of ``step``, ``epoch``, ``batch_idx``, ``loss`` and ``lr`` every
   ``every_n_steps`` optimizer steps, the state's ``fingerprint`` every
   ``fingerprint_every_n_steps`` steps, and a line (with fingerprint and path) for every
-  checkpoint, including the state the fit started from;
+  checkpoint, including the state the fit started from. An asynchronous checkpoint's line is
+  written once it is on disk, with the fingerprint its writer hashed from the snapshot (so the
+  loop does not wait for the hash), and not at all if the write failed;
 * ``config.json``: the Trainer's flags;
 * ``task.pkl``, ``model.pkl``, ``data.pkl``: the task's functions, the model's structure (its
   tensors as shapes only) and the training data source, pickled with cloudpickle so the run can be
@@ -16,9 +18,11 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
 
@@ -99,6 +103,8 @@ class Journal(Listener):
         self.max_data_bytes = max_data_bytes
         self._file: IO[str] | None = None
         self._last_step = -1
+        # lines of asynchronous checkpoints not yet on disk, in the order they were asked for
+        self._landing: list[tuple[dict[str, Any], Future[Path]]] = []
 
     # ------------------------------------------------------------------ events
 
@@ -129,6 +135,8 @@ class Journal(Listener):
         self._write(rec, loss=None, fingerprint=True, checkpoint=os.path.abspath(start), start=True)
 
     def on_train_batch_end(self, rec: EventRecord) -> None:
+        if self._landing:
+            self._write_landed(wait=False)
         state = rec.state
         if self._file is None or state is None or state.micro_step or not self.every_n_steps:
             return
@@ -139,14 +147,21 @@ class Journal(Listener):
         self._write(rec, loss=rec.outputs.get("loss") if rec.outputs else None, fingerprint=with_fp)
 
     def on_save_checkpoint(self, rec: EventRecord) -> None:
-        if self._file is not None and rec.state is not None:
-            path = os.path.abspath(rec.checkpoint_path) if rec.checkpoint_path else True
+        if self._file is None or rec.state is None:
+            return
+        path = os.path.abspath(rec.checkpoint_path) if rec.checkpoint_path else True
+        if rec.checkpoint_future is None:
             self._write(rec, loss=None, fingerprint=True, checkpoint=path)
+        else:
+            line = self._line(rec, loss=None, fingerprint=False, checkpoint=path)
+            self._landing.append((line, rec.checkpoint_future))
 
     def on_train_end(self, rec: EventRecord) -> None:
+        self._write_landed(wait=True)
         self._close()
 
     def on_exception(self, rec: EventRecord) -> None:
+        self._write_landed(wait=True)
         self._close()
 
     # ------------------------------------------------------------------ writing and reading
@@ -160,7 +175,22 @@ class Journal(Listener):
         checkpoint: str | bool = False,
         start: bool = False,
     ) -> None:
-        assert self._file is not None and rec.state is not None
+        self._put(
+            self._line(rec, loss=loss, fingerprint=fingerprint, checkpoint=checkpoint, start=start)
+        )
+        if not checkpoint:
+            self._last_step = rec.state.step  # type: ignore[union-attr]
+
+    def _line(
+        self,
+        rec: EventRecord,
+        *,
+        loss: Any,
+        fingerprint: bool,
+        checkpoint: str | bool = False,
+        start: bool = False,
+    ) -> dict[str, Any]:
+        assert rec.state is not None
         state = rec.state
         line: dict[str, Any] = {
             "step": state.step,
@@ -180,10 +210,25 @@ class Journal(Listener):
             line["checkpoint"] = checkpoint
         if start:
             line["start"] = True
+        return line
+
+    def _put(self, line: dict[str, Any]) -> None:
+        assert self._file is not None
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
-        if not checkpoint:
-            self._last_step = state.step
+
+    def _write_landed(self, *, wait: bool) -> None:
+        """Write the lines of the asynchronous checkpoints that are on disk (all of them, once
+        they land, with ``wait``), in order, each with the fingerprint its ``meta.json`` holds."""
+        while self._landing and (wait or self._landing[0][1].done()):
+            line, future = self._landing.pop(0)
+            if future.exception() is not None:  # never landed: no line points at it
+                continue
+            with contextlib.suppress(checkpoint.CheckpointError, OSError):
+                fingerprint = checkpoint.read_meta(future.result()).get("fingerprint")
+                if fingerprint is not None:
+                    line["fingerprint"] = fingerprint
+            self._put(line)
 
     def _close(self) -> None:
         if self._file is not None:
