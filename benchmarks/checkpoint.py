@@ -21,6 +21,11 @@ code costs. Figures, per place:
   memory can cost, so this one says how close to it ``save_async`` comes. The first
   asynchronous save, which allocates the buffers later ones reuse, is reported apart
   (``async_first_blocked_ms``).
+* ``trainer_async_blocked_vs_sync``: the same inside a fit with the Trainer's defaults (the
+  journal on): how long ``Trainer.save_checkpoint(path, asynchronous=True)`` holds the loop
+  (the event to every listener, their states, the snapshot) over ``Trainer.save_checkpoint(path)``,
+  one of each per round after a first pair that allocates; ``trainer_async_blocked_vs_torch_save``
+  over the same place's ``torch.save`` + fsync.
 
 Every round runs all variants back to back, alternating their order; a ratio is the median over
 rounds of the per-round ratio (with its interquartile range), so that drift in machine load and
@@ -178,6 +183,57 @@ def measure(state: eg.TrainState, where: Path, rounds: int) -> dict[str, Any]:
     return out
 
 
+class _SaveTimer(eg.Listener):
+    """Saves after each training batch, synchronously and asynchronously by turns, and times how
+    long ``Trainer.save_checkpoint`` held the loop (the write of an asynchronous save is then
+    waited for, untimed, so that saves never overlap)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.times = root, {"trainer_save": [], "trainer_async_blocked": []}
+
+    def on_train_batch_end(self, rec: Any) -> None:
+        asynchronous = rec.state.step % 2 == 0
+        path = self.root / f"s{rec.state.step}"
+        t0 = time.perf_counter()
+        out = rec.trainer.save_checkpoint(path, asynchronous=asynchronous)
+        elapsed = time.perf_counter() - t0
+        if asynchronous:
+            out.result()
+        self.times["trainer_async_blocked" if asynchronous else "trainer_save"].append(elapsed)
+        _remove(path)
+
+
+def measure_trainer(where: Path, rounds: int) -> dict[str, Any]:
+    """Inside a fit with the Trainer's defaults (journal on): how long ``save_checkpoint``
+    blocks the loop, asynchronous over synchronous, one pair of saves per round."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 2048), nn.ReLU(), nn.Linear(2048, 4096))
+    task = eg.Task(lambda m, b: (m(b) - b).pow(2).mean(), optim.adamw(1e-3))
+    data = [torch.randn(8, 4096)] * (2 * rounds + 2)
+    root = Path(tempfile.mkdtemp(prefix="engine-bench-", dir=where))
+    timer = _SaveTimer(root)
+    try:
+        trainer = eg.Trainer(
+            max_epochs=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=root,
+            callbacks=[timer],
+        )
+        trainer.fit(task, task.init(model), data)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    sync, blocked = timer.times["trainer_save"][1:], timer.times["trainer_async_blocked"][1:]
+    per_round = [a / b for a, b in zip(blocked, sync, strict=False)]
+    return {
+        "trainer_save_ms": statistics.median(sync) * 1e3,
+        "trainer_async_blocked_ms": statistics.median(blocked) * 1e3,
+        "trainer_async_blocked_vs_sync": statistics.median(per_round),
+    }
+
+
 def run(rounds: int) -> dict[str, Any]:
     """Every figure, in every place; ``{"state_mb": ..., "disk": {...}, "tmpfs": {...}}``."""
     state = _state()
@@ -188,6 +244,11 @@ def run(rounds: int) -> dict[str, Any]:
     }
     for name, where in places().items():
         out[name] = measure(state, where, rounds)
+        trainer = measure_trainer(where, rounds)
+        trainer["trainer_async_blocked_vs_torch_save"] = (
+            trainer["trainer_async_blocked_ms"] / out[name]["torch_save_ms"]
+        )
+        out[name].update(trainer)
     checkpoint.release_buffers()
     return out
 
