@@ -73,6 +73,7 @@ __all__ = [
 FORMAT_VERSION = 3
 META, TENSORS = "meta.json", "tensors.pt"
 _TMP_PREFIX = ".tmp-ckpt-"
+_ASIDE = "old-"  # _TMP_PREFIX + _ASIDE + "<pid>-...": a checkpoint moved aside while replaced
 
 
 class CheckpointError(RuntimeError):
@@ -153,7 +154,8 @@ def _meta(
 def _write(tensors: Mapping[str, Tensor], meta: Mapping[str, Any], target: Path) -> Path:
     """Write a checkpoint directory atomically and durably (see :func:`save`)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=target.parent))
+    # the writer's pid in the name: clean_leftovers never touches a save still in progress
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=target.parent))
     try:
         with open(tmp / TENSORS, "wb") as raw:
             f = _HashingWriter(raw, tensors.values())  # hashes in parallel: no re-read
@@ -169,10 +171,12 @@ def _write(tensors: Mapping[str, Tensor], meta: Mapping[str, Any], target: Path)
             os.fsync(out.fileno())
         _fsync_dir(tmp)
         if target.exists():
-            # replace: move the old one aside first so that at every instant one complete
-            # checkpoint exists under a known name
-            old = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX + "old-", dir=target.parent))
-            os.replace(target, old / "ckpt")
+            # replace: move the old one aside first, under its own name, so that at every
+            # instant one complete checkpoint exists where clean_leftovers can find it (a crash
+            # between these two renames leaves it aside; clean_leftovers puts it back)
+            aside = f"{_TMP_PREFIX}{_ASIDE}{os.getpid()}-"
+            old = Path(tempfile.mkdtemp(prefix=aside, dir=target.parent))
+            os.replace(target, old / target.name)
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -326,15 +330,47 @@ def release_buffers() -> None:
 
 
 def clean_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
-    """Remove half-written checkpoints an interrupted save left in ``directory``."""
-    removed = []
+    """Remove what interrupted saves left in ``directory``; returns the paths removed.
+
+    A save writes into a hidden temporary directory beside its target and renames it into place;
+    replacing a checkpoint first moves the old one aside. A process that died meanwhile leaves
+    these behind. Those of saves still in progress (their writer's process is alive) are left
+    alone. A checkpoint found moved aside whose name is free again (the crash came between the
+    two renames of a replacement) is put back, so the earlier checkpoint survives.
+    """
+    removed: list[Path] = []
     root = Path(directory)
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(_TMP_PREFIX):
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
+    if not root.is_dir():
+        return removed
+    for p in sorted(root.iterdir()):
+        if not p.name.startswith(_TMP_PREFIX) or _writer_alive(p.name):
+            continue
+        if p.name.startswith(_TMP_PREFIX + _ASIDE) and p.is_dir():
+            for kept in p.iterdir():
+                if kept.name != "ckpt" and not os.path.lexists(root / kept.name):
+                    os.replace(kept, root / kept.name)  # ("ckpt": before names were kept)
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    if removed:
+        _fsync_dir(root)
     return removed
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the process whose pid a temporary directory's name carries is running."""
+    rest = name[len(_TMP_PREFIX) :].removeprefix(_ASIDE)
+    pid = rest.partition("-")[0]
+    if not pid.isdigit():
+        return False  # written before names carried the pid
+    if int(pid) == os.getpid():
+        return True  # this process: a save in progress (an asynchronous one, say)
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        return True
+    return True
 
 
 # --------------------------------------------------------------------------- loading

@@ -179,6 +179,48 @@ def test_leftovers_of_an_interrupted_save_are_cleaned_and_do_not_disturb(tmp_pat
     assert not half.exists() and checkpoint.inspect(good)["verified"]
 
 
+def test_a_crash_between_the_renames_of_a_replacement_keeps_the_earlier_checkpoint(tmp_path):
+    # the process dies after moving the old checkpoint aside and before renaming the new one
+    # into place: the next clean_leftovers puts the old one back
+    here = str(Path(__file__).parent)
+    script = textwrap.dedent(f"""
+        import os, sys; sys.path.insert(0, {here!r})
+        from test_checkpoint import _trained
+        from engine import checkpoint
+        checkpoint.save(_trained(calls=2), {str(tmp_path / "c")!r})
+        real, calls = os.replace, []
+        def dying_replace(src, dst):
+            calls.append(dst)
+            if len(calls) == 2:  # the new checkpoint's rename into place
+                os._exit(3)
+            real(src, dst)
+        os.replace = dying_replace
+        checkpoint.save(_trained(calls=5), {str(tmp_path / "c")!r})
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr
+    assert not (tmp_path / "c").exists()  # the crash left no checkpoint under the name
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-ckpt-old-")]
+    assert len(aside) == 1 and (aside[0] / "c" / "meta.json").is_file()
+    removed = checkpoint.clean_leftovers(tmp_path)
+    assert len(removed) == 2  # the new one, half renamed, and the directory the old one was in
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    back = checkpoint.load(tmp_path / "c", _template())
+    assert back.fingerprint() == _trained(calls=2).fingerprint()
+
+
+def test_leftovers_of_a_save_still_in_progress_are_left_alone(tmp_path):
+    mine = tmp_path / f".tmp-ckpt-{os.getpid()}-abc"  # this process: a save in flight
+    mine.mkdir()
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = tmp_path / f".tmp-ckpt-{int(gone.stdout)}-def"  # that process has ended
+    dead.mkdir()
+    assert checkpoint.clean_leftovers(tmp_path) == [dead]
+    assert mine.is_dir()
+
+
 def test_engine_inspect_prints_the_summary_and_the_verdict(tmp_path):
     path = checkpoint.save(_trained(), tmp_path / "c", metrics={"val/acc": 0.75})
     cmd = [sys.executable, "-m", "engine", "inspect", str(path)]

@@ -531,3 +531,32 @@ def test_a_failed_asynchronous_save_keeps_the_checkpoint_it_would_replace(tmp_pa
     _fit(tmp_path, [mc], max_epochs=4, enable_journal=False)
     # saves 3 and 4 failed: the second epoch's checkpoint was not deleted for them
     assert _on_disk(mc) == {_name(1, 2 * N_BATCHES)}
+
+
+def test_a_fit_start_cleans_what_a_crashed_save_left_in_dirpath(tmp_path):
+    # as a process killed mid-replacement leaves it: the old checkpoint moved aside under its
+    # name, and a half-written one, both by a writer that is gone
+    import subprocess
+    import sys
+
+    dead = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        ).stdout
+    )
+    ckpts = tmp_path / "ckpts"
+    _fit(tmp_path / "first", [eg.ModelCheckpoint(dirpath=ckpts, filename="kept")])
+    template = _task().init(_linear())
+    before = checkpoint.load(ckpts / "kept", template).fingerprint()
+    aside = ckpts / f".tmp-ckpt-old-{dead}-x"
+    aside.mkdir()
+    os.replace(ckpts / "kept", aside / "kept")
+    half = ckpts / f".tmp-ckpt-{dead}-y"
+    half.mkdir()
+    (half / "tensors.pt").write_bytes(b"\0" * 8)
+    mc = eg.ModelCheckpoint(dirpath=ckpts, filename="other")
+    with pytest.warns(UserWarning, match="exists and is not empty"):  # the put-back checkpoint
+        _fit(tmp_path / "second", [mc], max_epochs=1)
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert names == ["kept", "other"]
+    assert checkpoint.load(ckpts / "kept", template).fingerprint() == before

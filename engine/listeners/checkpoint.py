@@ -52,6 +52,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from engine import checkpoint
 from engine.events import EventRecord, Listener
 from engine.listeners.progress import write_message
 
@@ -234,6 +235,8 @@ class ModelCheckpoint(Listener):
         if self.dirpath is None:
             root = rec.trainer.log_dir or rec.trainer.default_root_dir
             self.dirpath = os.path.join(root, "checkpoints")
+        if rec.stage == "fit":  # what a crashed save left (a replaced checkpoint is put back)
+            checkpoint.clean_leftovers(self.dirpath)
         if rec.stage == "fit" and self.save_top_k != 0 and _non_empty_dir(self.dirpath):
             warnings.warn(
                 f"ModelCheckpoint: the checkpoint directory {self.dirpath} exists and is not "
