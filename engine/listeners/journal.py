@@ -112,6 +112,7 @@ class Journal(Listener):
         trainer = rec.trainer
         root = self.dirpath or _run_dir(trainer)
         root.mkdir(parents=True, exist_ok=True)
+        checkpoint.clean_leftovers(root)  # a start checkpoint a crashed fit was writing
         self.dirpath = root
         if self.every_n_steps is None:
             self.every_n_steps = trainer.log_every_n_steps
