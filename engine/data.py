@@ -7,6 +7,7 @@ factory); a *datamodule* is any object with ``train_dataloader()`` / ``val_datal
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import sys
@@ -32,8 +33,8 @@ __all__ = [
     "seed_shuffle",
     "state_from_json",
     "state_to_json",
+    "restore_loader",
     "stateful",
-    "unseed_shuffle",
 ]
 
 INF = math.inf
@@ -364,12 +365,11 @@ def order_outside_the_state(loader: Any) -> bool:
 def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
     """Make the ``RandomSampler`` of ``loader``, if it has one without a generator of its own,
     draw epoch ``epoch``'s order from a generator seeded with ``(seed, epoch)``; returns whether
-    it did. :func:`unseed_shuffle` puts the sampler back as it was.
+    it did. :func:`restore_loader` puts the sampler back as it was.
 
     ``DataLoader(..., shuffle=True)`` otherwise seeds each epoch's order from torch's global
     generator, which no checkpoint holds. Seeded, the order is a pure function of the run's seed
-    and the epoch, so a resumed or replayed run sees the same batches. Skipping to a mid-epoch
-    position still loads the skipped batches; :class:`ShuffleSampler` skips without loading.
+    and the epoch, so a resumed or replayed run sees the same batches.
 
     Example:
         >>> import torch
@@ -382,7 +382,7 @@ def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
         >>> _ = seed_shuffle(loader, seed=0, epoch=1)
         >>> [int(b) for b in loader] == first
         True
-        >>> unseed_shuffle(loader)
+        >>> restore_loader(loader)
         >>> loader.sampler.generator is None
         True
     """
@@ -394,12 +394,53 @@ def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
     return True
 
 
-def unseed_shuffle(loader: Any) -> None:
-    """Undo :func:`seed_shuffle`: the sampler draws from torch's global generator again."""
+def restore_loader(loader: Any) -> None:
+    """Undo what a fit did to ``loader``: :func:`seed_shuffle`'s generator (the sampler draws
+    from torch's global generator again) and :func:`position_loader`'s skipping."""
     s = _random_sampler(loader)
     if s is not None and getattr(s, _SEEDED, False):
         s.generator = None
         delattr(s, _SEEDED)
+    _unskip(loader)
+
+
+class _SkipFirst(Sampler[Any]):
+    """``sampler``'s order without its first ``skip`` items: the rest of a resumed epoch.
+
+    The sampler still runs through the skipped items, so whatever generator it draws from
+    advances exactly as in the uninterrupted epoch; only the loading is left out.
+    """
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:  # the whole epoch's, as ShuffleSampler's during a resumed epoch
+        return len(self.sampler)
+
+
+def _skip_by_index(loader: Any, batches: int) -> bool:
+    """Make a map-style ``DataLoader`` skip its first ``batches`` batches without loading them:
+    its ``BatchSampler`` draws the skipped indices and drops them. Not for loaders that restore
+    their own position (``stateful``), iterable datasets or custom batch samplers."""
+    bs = getattr(loader, "batch_sampler", None)
+    if (
+        type(bs) is not torch.utils.data.BatchSampler
+        or stateful(loader)
+        or isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
+    ):
+        return False
+    inner = bs.sampler.sampler if isinstance(bs.sampler, _SkipFirst) else bs.sampler
+    bs.sampler = _SkipFirst(inner, batches * bs.batch_size)
+    return True
+
+
+def _unskip(loader: Any) -> None:
+    bs = getattr(loader, "batch_sampler", None)
+    if isinstance(getattr(bs, "sampler", None), _SkipFirst):
+        bs.sampler = bs.sampler.sampler  # type: ignore[union-attr]
 
 
 def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:
@@ -408,7 +449,21 @@ def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:
 
     A ``DataLoader`` whose sampler has ``set_epoch`` (:class:`ShuffleSampler`,
     ``DistributedSampler``) gets the epoch, and so does its dataset when it has ``set_epoch``
-    (:class:`SeededDataset`); one with :class:`ShuffleSampler` also skips.
+    (:class:`SeededDataset`). One with :class:`ShuffleSampler` skips by starting it later; any
+    other ``DataLoader`` over a map-style dataset with a ``batch_size`` skips by drawing the
+    skipped batches' indices and dropping them, so no sample is loaded for them and the order
+    that follows is the uninterrupted epoch's (:func:`restore_loader` puts its sampler back).
+    Other loaders (iterables, iterable datasets, custom batch samplers) cannot skip.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> loader = DataLoader(range(10), batch_size=4)
+        >>> position_loader(loader, epoch=0, skip_batches=1)
+        True
+        >>> [b.tolist() for b in loader]
+        [[4, 5, 6, 7], [8, 9]]
+        >>> restore_loader(loader); len([b for b in loader])
+        3
     """
     sampler = getattr(loader, "sampler", None)
     batch_sampler = getattr(loader, "batch_sampler", None)
@@ -418,9 +473,12 @@ def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:
         set_epoch = getattr(obj, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
-    if skip_batches and isinstance(sampler, ShuffleSampler):
+    _unskip(loader)  # what skipped the last resumed epoch's first batches
+    if not skip_batches:
+        return True
+    if isinstance(sampler, ShuffleSampler):
         size = getattr(batch_sampler, "batch_size", None) or getattr(loader, "batch_size", None)
         if size:
             sampler.set_start(skip_batches * size)
             return True
-    return skip_batches == 0
+    return _skip_by_index(loader, skip_batches)

@@ -32,9 +32,9 @@ from engine.data import (
     order_outside_the_state,
     position_loader,
     resolve_loaders,
+    restore_loader,
     seed_shuffle,
     stateful,
-    unseed_shuffle,
 )
 from engine.events import Emitter, Event, EventRecord, Stop
 from engine.metrics import MetricReducer
@@ -513,7 +513,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             try:
                 self._fit(task, train_loaders[0], val_loaders, datamodule)
             finally:
-                unseed_shuffle(train_loaders[0])  # shuffle=True draws from the global RNG again
+                restore_loader(train_loaders[0])  # as the user made it
         assert self._state is not None
         return self._state
 
@@ -640,10 +640,10 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             offset = skip
         if skip and not offset:
             warnings.warn(
-                f"resuming mid-epoch by loading and dropping {skip} batches; give the "
-                "DataLoader an engine.data.ShuffleSampler (map-style datasets) or use a "
-                "loader with state_dict()/load_state_dict() (torchdata's "
-                "StatefulDataLoader) to skip them without loading",
+                f"resuming mid-epoch by loading and dropping {skip} batches; a DataLoader over "
+                "a map-style dataset (with a batch_size) skips them without loading, and so "
+                "does a loader with state_dict()/load_state_dict() (torchdata's "
+                "StatefulDataLoader)",
                 stacklevel=4,
             )
         return skip, offset

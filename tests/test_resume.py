@@ -200,8 +200,6 @@ def _plain_shuffle(ds: _Counted) -> torch.utils.data.DataLoader:
 def test_shuffle_true_resumes_mid_epoch_bitwise_in_a_fresh_process(tmp_path):
     # the Trainer seeds a RandomSampler without a generator from (state seed, epoch), so the
     # process's global generator (seeded differently in each of the three runs) plays no part
-    import pytest
-
     ckpt = tmp_path / "c"
     here = str(Path(__file__).parent)
     script = textwrap.dedent(f"""
@@ -223,15 +221,39 @@ def test_shuffle_true_resumes_mid_epoch_bitwise_in_a_fresh_process(tmp_path):
         full = _trainer(max_epochs=3).fit(task, task.init(_model(), seed=5), loader)
     assert loader.sampler.generator is None  # put back as it was
     torch.manual_seed(333)
-    with pytest.warns(UserWarning, match="loading and dropping 3 batches"):
+    ds = _Counted()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor that skipped batches are loaded and dropped
         resumed = _trainer(max_epochs=3).fit(
-            task, task.init(_model()), _plain_shuffle(_Counted()), ckpt_path=ckpt
+            task, task.init(_model()), _plain_shuffle(ds), ckpt_path=ckpt
         )
     assert resumed.fingerprint() == full.fingerprint()
+    assert ds.loaded == 40 - 12 + 40  # the rest of epoch 1, then epoch 2: nothing skipped is read
     # and the epochs were shuffled: a run over the unshuffled order ends elsewhere
     ordered = torch.utils.data.DataLoader(_Counted(), batch_size=4)
     other = _trainer(max_epochs=3).fit(task, task.init(_model(), seed=5), ordered)
     assert other.fingerprint() != full.fingerprint()
+
+
+def test_an_unshuffled_data_loader_resumes_mid_epoch_without_loading_the_skipped_batches(
+    tmp_path,
+):
+    task = _task()
+    loader = torch.utils.data.DataLoader(_Counted(), batch_size=4)  # a SequentialSampler
+    full = _trainer(max_epochs=2).fit(task, task.init(_model(), seed=5), loader)
+    ckpt = tmp_path / "c"
+    _trainer(max_epochs=2, max_steps=13, callbacks=[_SaveAt(13, ckpt)]).fit(
+        task, task.init(_model(), seed=5), loader
+    )
+    ds = _Counted()
+    loader = torch.utils.data.DataLoader(ds, batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed = _trainer(max_epochs=2).fit(task, task.init(_model()), loader, ckpt_path=ckpt)
+    assert resumed.fingerprint() == full.fingerprint()
+    assert ds.loaded == 40 - 12
+    assert not isinstance(loader.batch_sampler.sampler, eg.data._SkipFirst)  # put back
+    assert len(list(loader)) == 10
 
 
 def test_the_epoch_order_is_a_function_of_seed_and_epoch_only():
