@@ -262,6 +262,8 @@ def _find_checkpoint(root: Path, lines: list[dict[str, Any]], from_step: int) ->
         # the run directory may have moved since: look for the checkpoint beside the journal too
         for path in (journaled, root / journaled.name, root / "checkpoints" / journaled.name):
             if (path / checkpoint.META).is_file():
+                if checkpoint.read_meta(path).get("weights_only"):
+                    break  # the model alone: no optimizer state to continue from
                 info = checkpoint.inspect(path)
                 if info["verified"]:
                     return path, line

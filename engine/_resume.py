@@ -92,6 +92,7 @@ class CheckpointingMixin:
         *,
         metrics: Mapping[str, float] | None = None,
         asynchronous: bool = False,
+        weights_only: bool = False,
     ) -> Any:
         """Save the current state, the listeners' states and the loop position to ``filepath``.
 
@@ -99,7 +100,9 @@ class CheckpointingMixin:
         it. See :func:`engine.checkpoint.save` for the format and the guarantees. With
         ``asynchronous=True`` only a snapshot blocks and the write happens in the background
         (:func:`engine.checkpoint.save_async`); returns a future of the path instead of the path.
-        A run waits for its pending saves before it ends.
+        A run waits for its pending saves before it ends. ``weights_only=True`` saves the model
+        alone (Lightning's meaning): ``validate`` / ``test`` / ``predict`` can start from it,
+        ``fit`` cannot.
         """
         if self._state is None:
             raise RuntimeError("save_checkpoint(): nothing to save yet; call fit() first")
@@ -111,7 +114,10 @@ class CheckpointingMixin:
         if not asynchronous:
             self._emit(Event.ON_SAVE_CHECKPOINT, checkpoint_path=os.fspath(filepath))
             return self._write_checkpoint(
-                filepath, metrics=metrics, event=None if pending is None else event_state
+                filepath,
+                metrics=metrics,
+                event=None if pending is None else event_state,
+                weights_only=weights_only,
             )
         # the event comes first (a listener's state must be in the checkpoint), the write after:
         # listeners get a future that the write's future completes
@@ -125,6 +131,7 @@ class CheckpointingMixin:
                 metrics=metrics,
                 asynchronous=True,
                 event=None if pending is None else event_state,
+                weights_only=weights_only,
             )
         except BaseException as e:
             landed.set_exception(e)
@@ -139,6 +146,7 @@ class CheckpointingMixin:
         metrics: Mapping[str, float] | None = None,
         asynchronous: bool = False,
         event: list[Any] | None = None,
+        weights_only: bool = False,
     ) -> Any:
         """save_checkpoint without the event (the journal's record of the start state)."""
         assert self._state is not None
@@ -176,9 +184,16 @@ class CheckpointingMixin:
         metrics = dict(self.callback_metrics) if metrics is None else metrics
         if asynchronous:  # its fingerprint is hashed from the snapshot, off the loop (journal)
             return checkpoint.save_async(
-                self._state, filepath, metrics=metrics, extra=extra, fingerprint=True
+                self._state,
+                filepath,
+                metrics=metrics,
+                extra=extra,
+                fingerprint=True,
+                weights_only=weights_only,
             )
-        return checkpoint.save(self._state, filepath, metrics=metrics, extra=extra)
+        return checkpoint.save(
+            self._state, filepath, metrics=metrics, extra=extra, weights_only=weights_only
+        )
 
     def _resolve_ckpt(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
         if ckpt_path not in ("last", "best"):
@@ -219,6 +234,13 @@ class CheckpointingMixin:
         path = self._resolve_ckpt(ckpt_path)
         if path is None:
             return
+        if self.stage == "fit" and checkpoint.read_meta(path).get("weights_only"):
+            raise ValueError(
+                f"fit(ckpt_path={str(ckpt_path)!r}): {path} holds only the model's weights (saved "
+                "with weights_only=True / ModelCheckpoint(save_weights_only=True)), not the "
+                "optimizer state a fit continues from. Resume from a full checkpoint, or load "
+                "the weights into the state you start from (checkpoint.load(path, state))"
+            )
         self._state = checkpoint.load(path, template)
         self.ckpt_path = str(path)  # ModelCheckpoint never deletes the one a run resumed from
         meta = checkpoint.read_meta(path)

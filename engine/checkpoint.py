@@ -83,12 +83,16 @@ class CheckpointError(RuntimeError):
 # --------------------------------------------------------------------------- saving
 
 
-def _flatten(state: TrainState) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def _flatten(
+    state: TrainState, weights_only: bool = False
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
     tensors: dict[str, Tensor] = {}
     scalars: dict[str, Any] = {}
     for group in ("params", "buffers"):
         for k, t in getattr(state, group).items():
             tensors[f"{group}/{k}"] = t.detach()
+    if weights_only:  # the model alone: no optimizer, accumulation or extra state
+        return tensors, scalars
     for k, t in (state.grad_accum or {}).items():
         tensors[f"grad_accum/{k}"] = t.detach()
     for k, v in opt_state_dict(state.opt_state).items():
@@ -128,6 +132,7 @@ def _meta(
     metrics: Mapping[str, float] | None,
     extra: Mapping[str, Any] | None,
     fingerprint: bool,
+    weights_only: bool = False,
 ) -> dict[str, Any]:
     """Everything ``meta.json`` records but the checksums (a copy: later changes don't leak in)."""
     return {
@@ -141,10 +146,11 @@ def _meta(
         "micro_step": state.micro_step,
         "seed": state.seed,
         # hashing every bit again costs as much as the write: only when asked (replay does)
-        "fingerprint": state.fingerprint() if fingerprint else None,
+        "fingerprint": state.fingerprint() if fingerprint and not weights_only else None,
         "num_params": state.num_params(),
-        "has_grad_accum": state.grad_accum is not None,
-        "trees": _tree_docs(state),  # TrainState.extra and .precision
+        "weights_only": weights_only,  # then params and buffers only: it cannot resume a fit
+        "has_grad_accum": state.grad_accum is not None and not weights_only,
+        "trees": {} if weights_only else _tree_docs(state),  # TrainState.extra and .precision
         "opt_state_scalars": _jsonable(dict(scalars), "optimizer state"),
         "metrics": _jsonable(dict(metrics or {}), "metrics"),
         "extra": _jsonable(dict(extra or {}), "extra"),
@@ -200,6 +206,7 @@ def save(
     metrics: Mapping[str, float] | None = None,
     extra: Mapping[str, Any] | None = None,
     fingerprint: bool = False,
+    weights_only: bool = False,
 ) -> Path:
     """Write ``state`` to the checkpoint directory ``path`` atomically and durably.
 
@@ -210,6 +217,9 @@ def save(
         extra: JSON-serialisable data to record (listener states, data position, config).
         fingerprint: also record ``state.fingerprint()`` in ``meta.json`` (a second pass over
             every byte, as costly as the write itself).
+        weights_only: save the model alone (parameters and buffers, with the counters), as
+            Lightning's ``save_weights_only``: a smaller file that ``validate`` / ``test`` /
+            ``predict`` and :meth:`TrainState.load_into` can use but a fit cannot resume from.
 
     Returns:
         The checkpoint's path.
@@ -230,8 +240,9 @@ def save(
         True
     """
     state.check_alive("checkpoint.save()")
-    tensors, scalars = _flatten(state)
-    return _write(tensors, _meta(state, scalars, metrics, extra, fingerprint), Path(path))
+    tensors, scalars = _flatten(state, weights_only)
+    meta = _meta(state, scalars, metrics, extra, fingerprint, weights_only)
+    return _write(tensors, meta, Path(path))
 
 
 def _write_snapshot(
@@ -273,6 +284,7 @@ def save_async(
     metrics: Mapping[str, float] | None = None,
     extra: Mapping[str, Any] | None = None,
     fingerprint: bool = False,
+    weights_only: bool = False,
 ) -> Future[Path]:
     """Snapshot ``state`` now and write it to ``path`` in the background.
 
@@ -283,7 +295,8 @@ def save_async(
     was current at the call, so that it runs after the copies). The returned future gives the
     path, or raises what :func:`save` would have; :func:`wait` waits for all of them.
     ``fingerprint=True`` records ``state.fingerprint()`` in ``meta.json`` as :func:`save` does,
-    hashed from the snapshot on the writer thread, so it does not block the caller either.
+    hashed from the snapshot on the writer thread, so it does not block the caller either;
+    ``weights_only`` is :func:`save`'s.
 
     Example:
         >>> import tempfile, torch
@@ -296,16 +309,16 @@ def save_async(
         0
     """
     state.check_alive("checkpoint.save_async()")
-    tensors, scalars = _flatten(state)
+    tensors, scalars = _flatten(state, weights_only)
     try:
-        meta = _meta(state, scalars, metrics, extra, fingerprint=False)
+        meta = _meta(state, scalars, metrics, extra, False, weights_only)
     except CheckpointError as e:
         failed: Future[Path] = Future()
         failed.set_exception(e)
         return failed
     snapshot = _SNAPSHOTS.take(tensors)
     try:
-        view = _snapshot_view(state, snapshot) if fingerprint else None
+        view = _snapshot_view(state, snapshot) if fingerprint and not weights_only else None
         return _WRITER.get().submit(_write_snapshot, snapshot, meta, Path(path), view)
     except BaseException:
         _SNAPSHOTS.give_back(snapshot)
@@ -513,7 +526,8 @@ def load(path: str | os.PathLike[str], template: TrainState) -> TrainState:
     """Load a checkpoint into a state shaped like ``template`` (same model and optimizer).
 
     The template supplies the structure (the module, the optimizer state's tree); every value
-    comes from the checkpoint, verified first.
+    comes from the checkpoint, verified first. From a ``weights_only`` checkpoint only the
+    parameters, buffers and counters come; the optimizer state and ``extra`` are the template's.
 
     Raises:
         CheckpointError: if a file is missing or fails its checksum, the payload is not plain
@@ -566,7 +580,11 @@ def load(path: str | os.PathLike[str], template: TrainState) -> TrainState:
         else None
     )
     try:
-        opt_state = load_opt_state(template.opt_state, opt)
+        opt_state = (
+            template.opt_state
+            if meta.get("weights_only")
+            else load_opt_state(template.opt_state, opt)
+        )
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{root}: the optimizer state does not fit: {e}") from e
     return template.replace(
@@ -633,6 +651,7 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
             "torch_version",
             "metrics",
             "fingerprint",
+            "weights_only",
         )
     }
     info["size_bytes"] = sum(f.stat().st_size for f in root.iterdir() if f.is_file())

@@ -27,6 +27,8 @@ def _inspect(args: argparse.Namespace) -> int:
         )
         print(f"seed            {info['seed']}")
         print(f"parameters      {info['num_params']:,}")
+        if info.get("weights_only"):
+            print("contents        the model's weights only (not resumable)")
         print(f"size            {info['size_bytes'] / 2**20:.2f} MiB")
         print(
             f"format          v{info['format_version']} (engine {info['engine_version']}, "

@@ -535,3 +535,28 @@ def test_an_extra_value_that_needs_pickling_is_refused_at_save(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="extra/fn is a builtin_function"):
         checkpoint.save(state, tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_a_weights_only_checkpoint_holds_the_model_and_says_so(tmp_path):
+    state = _trained(accumulate=3, calls=7)  # an accumulation window half full
+    path = checkpoint.save(state, tmp_path / "w", weights_only=True, fingerprint=True)
+    stored = torch.load(path / "tensors.pt", weights_only=True)
+    assert set(stored) == {f"params/{k}" for k in state.params} | {
+        f"buffers/{k}" for k in state.buffers
+    }
+    meta = checkpoint.read_meta(path)
+    assert meta["weights_only"] and meta["fingerprint"] is None  # it would not describe the file
+    assert not meta["has_grad_accum"] and meta["step"] == state.step
+    template = _template()
+    back = checkpoint.load(path, template)
+    assert all(torch.equal(back.params[k], state.params[k]) for k in state.params)
+    assert back.opt_state is template.opt_state and back.grad_accum is None
+    full = checkpoint.save(state, tmp_path / "f")
+    assert (path / "tensors.pt").stat().st_size < (full / "tensors.pt").stat().st_size / 2
+    out = subprocess.run(
+        [sys.executable, "-m", "engine", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "weights only" in out and "all verify" in out

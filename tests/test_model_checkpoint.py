@@ -560,3 +560,40 @@ def test_a_fit_start_cleans_what_a_crashed_save_left_in_dirpath(tmp_path):
     names = sorted(p.name for p in ckpts.iterdir())
     assert names == ["kept", "other"]
     assert checkpoint.load(ckpts / "kept", template).fingerprint() == before
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_save_weights_only_checkpoints_evaluate_but_do_not_resume(tmp_path, asynchronous):
+    full = eg.ModelCheckpoint(dirpath=tmp_path / "full", monitor="val/loss")
+    light = eg.ModelCheckpoint(
+        dirpath=tmp_path / "light",
+        monitor="val/loss",
+        save_weights_only=True,
+        asynchronous=asynchronous,
+    )
+    trainer = _fit(tmp_path, [full, light], max_epochs=3, enable_journal=False)
+    assert Path(light.best_model_path).name == Path(full.best_model_path).name
+    meta = checkpoint.read_meta(light.best_model_path)
+    assert meta["weights_only"] and not checkpoint.read_meta(full.best_model_path)["weights_only"]
+    assert meta["opt_state_scalars"] == {} and meta["trees"] == {}
+    stored = torch.load(Path(light.best_model_path) / "tensors.pt", weights_only=True)
+    assert {k.split("/")[0] for k in stored} == {"params"}  # nothing of the optimizer
+    assert checkpoint.inspect(light.best_model_path)["weights_only"] is True
+    # the weights are those of the full checkpoint of the same step
+    template = _task().init(_linear())
+    a = checkpoint.load(light.best_model_path, template)
+    b = checkpoint.load(full.best_model_path, template)
+    assert all(torch.equal(a.params[k], b.params[k]) for k in b.params)
+    assert a.step == b.step and a.opt_state is template.opt_state
+    # validate from either gives the same numbers
+    task = _task()
+    results = [
+        _trainer(tmp_path, [], enable_checkpointing=False).validate(
+            task, task.init(_linear()), VAL, ckpt_path=p
+        )
+        for p in (light.best_model_path, full.best_model_path)
+    ]
+    assert results[0] == results[1]
+    # a fit cannot continue from the model alone, and says why
+    with pytest.raises(ValueError, match="holds only the model's weights"):
+        trainer.fit(task, task.init(_linear()), TRAIN, VAL, ckpt_path=light.best_model_path)

@@ -95,6 +95,21 @@ def test_replay_starts_from_the_newest_checkpoint_before_from_step(tmp_path, asy
     assert sorted(report.losses) == [7, 8, 9]
 
 
+def test_replay_passes_over_weights_only_checkpoints(tmp_path):
+    light = eg.ModelCheckpoint(
+        dirpath=tmp_path / "light", every_n_train_steps=2, save_top_k=-1, save_weights_only=True
+    )
+    trainer = _fit(tmp_path, callbacks=[light])
+    assert any(
+        x.get("checkpoint", "").startswith(str(tmp_path / "light"))
+        for x in Journal.read(trainer.run_dir)
+        if isinstance(x.get("checkpoint"), str)
+    )
+    report = eg.replay(trainer.run_dir, 7, 9, trust_code=True)
+    assert report.identical, str(report)
+    assert report.start_step == 0  # the start checkpoint: the others hold no optimizer state
+
+
 def test_a_journal_with_sha256_fingerprints_still_replays_and_is_checked(tmp_path):
     # engine before checkpoint format 3 journaled SHA-256 fingerprints (64 hex digits)
     saver = eg.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=4, save_top_k=-1)

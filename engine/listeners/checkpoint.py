@@ -72,6 +72,9 @@ class ModelCheckpoint(Listener):
         monitor: the metric to rank by, a key of ``trainer.callback_metrics`` (``"val/loss"``);
             ``None`` ranks by recency.
         verbose: print what is saved and why.
+        save_weights_only: save the model alone (parameters and buffers): smaller checkpoints
+            that ``validate`` / ``test`` / ``predict`` (``ckpt_path="best"``, say) can start
+            from but a fit cannot resume from.
         save_last: also keep ``<dirpath>/last``, the latest state (``"link"`` = ``True``).
         save_top_k: how many to keep: ``k >= 1``, ``-1`` (all) or ``0`` (none; ``save_last``
             still works). Without ``monitor`` only ``-1``, ``0`` and ``1`` make sense.
@@ -133,6 +136,7 @@ class ModelCheckpoint(Listener):
         monitor: str | None = None,
         *,
         verbose: bool = False,
+        save_weights_only: bool = False,
         save_last: bool | str | None = None,
         save_top_k: int = 1,
         mode: str = "min",
@@ -188,9 +192,14 @@ class ModelCheckpoint(Listener):
         self.auto_insert_metric_name = auto_insert_metric_name
         self._save_on_train_epoch_end = save_on_train_epoch_end
         self._enable_version_counter = enable_version_counter
-        if not isinstance(asynchronous, bool):
-            raise TypeError(f"asynchronous must be True or False (got {asynchronous!r})")
+        for name, flag in (
+            ("asynchronous", asynchronous),
+            ("save_weights_only", save_weights_only),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False (got {flag!r})")
         self.asynchronous = asynchronous
+        self.save_weights_only = save_weights_only
         # asynchronous saves in flight, each with the checkpoints to delete once they landed
         self._in_flight: list[tuple[list[Future[Any]], list[str]]] = []
 
@@ -487,10 +496,13 @@ class ModelCheckpoint(Listener):
         trainer = rec.trainer
         futures = []
         for path in saves:
+            weights_only = self.save_weights_only
             if self.asynchronous:
-                futures.append(trainer.save_checkpoint(path, asynchronous=True))
+                futures.append(
+                    trainer.save_checkpoint(path, asynchronous=True, weights_only=weights_only)
+                )
             else:
-                trainer.save_checkpoint(path)
+                trainer.save_checkpoint(path, weights_only=weights_only)
             for logger in trainer.loggers:
                 if callable(getattr(logger, "after_save_checkpoint", None)):
                     logger.after_save_checkpoint(self)
