@@ -133,7 +133,11 @@ class Journal(Listener):
             trainer._write_checkpoint(start, asynchronous=True)
             # a one-off: no later save of this journal reuses the snapshot's host memory
             checkpoint.release_buffers()
-        self._write(rec, loss=None, fingerprint=True, checkpoint=os.path.abspath(start), start=True)
+        self._put(
+            self._line(
+                rec, loss=None, fingerprint=True, checkpoint=os.path.abspath(start), start=True
+            )
+        )
 
     def on_train_batch_end(self, rec: EventRecord) -> None:
         if self._landing:
@@ -145,14 +149,16 @@ class Journal(Listener):
             return
         fp_every = self.fingerprint_every_n_steps
         with_fp = bool(fp_every) and state.step % fp_every == 0
-        self._write(rec, loss=rec.outputs.get("loss") if rec.outputs else None, fingerprint=with_fp)
+        loss = rec.outputs.get("loss") if rec.outputs else None
+        self._put(self._line(rec, loss=loss, fingerprint=with_fp))
+        self._last_step = state.step
 
     def on_save_checkpoint(self, rec: EventRecord) -> None:
         if self._file is None or rec.state is None:
             return
         path = os.path.abspath(rec.checkpoint_path) if rec.checkpoint_path else True
         if rec.checkpoint_future is None:
-            self._write(rec, loss=None, fingerprint=True, checkpoint=path)
+            self._put(self._line(rec, loss=None, fingerprint=True, checkpoint=path))
         else:
             line = self._line(rec, loss=None, fingerprint=False, checkpoint=path)
             self._landing.append((line, rec.checkpoint_future))
@@ -166,21 +172,6 @@ class Journal(Listener):
         self._close()
 
     # ------------------------------------------------------------------ writing and reading
-
-    def _write(
-        self,
-        rec: EventRecord,
-        *,
-        loss: Any,
-        fingerprint: bool,
-        checkpoint: str | bool = False,
-        start: bool = False,
-    ) -> None:
-        self._put(
-            self._line(rec, loss=loss, fingerprint=fingerprint, checkpoint=checkpoint, start=start)
-        )
-        if not checkpoint:
-            self._last_step = rec.state.step  # type: ignore[union-attr]
 
     def _line(
         self,
