@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Collection, Iterator, Mapping
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,12 +120,15 @@ class CheckpointingMixin:
                 weights_only=weights_only,
             )
         # the event comes first (a listener's state must be in the checkpoint), the write after:
-        # listeners get a future that the write's future completes
-        landed: Future[Path] = Future()
-        self._emit(
-            Event.ON_SAVE_CHECKPOINT, checkpoint_path=os.fspath(filepath), checkpoint_future=landed
-        )
+        # listeners get a future that the write's future completes, whatever happens meanwhile
+        landed = _Landing()
+        chained = False
         try:
+            self._emit(
+                Event.ON_SAVE_CHECKPOINT,
+                checkpoint_path=os.fspath(filepath),
+                checkpoint_future=landed,
+            )
             future = self._write_checkpoint(
                 filepath,
                 metrics=metrics,
@@ -133,10 +136,12 @@ class CheckpointingMixin:
                 event=None if pending is None else event_state,
                 weights_only=weights_only,
             )
+            future.add_done_callback(lambda f: _complete(landed, f))
+            chained = True
         except BaseException as e:
-            landed.set_exception(e)
+            if not chained and not landed.done():
+                landed.set_exception(e)
             raise
-        future.add_done_callback(lambda f: _complete(landed, f))
         return future
 
     def _write_checkpoint(
@@ -366,13 +371,29 @@ def _recency(path: Path) -> tuple[int, int, float]:
     return int(meta.get("step", -1)), int(saved_ns), path.stat().st_mtime
 
 
-def _complete(landed: Future[Path], write: Future[Path]) -> None:
-    """Complete ``landed`` as ``write`` completed (on the writer thread)."""
+class _Landing(Future):
+    """``EventRecord.checkpoint_future`` of an asynchronous save: the checkpoint's path once it
+    is on disk. ``fingerprint`` is the one its writer recorded, read on the writer thread right
+    after the write, before a later save to the same path can replace it."""
+
+    fingerprint: str | None = None
+
+
+def _complete(landed: _Landing, write: Future[Path]) -> None:
+    """Complete ``landed`` as ``write`` completed (a done-callback, on the writer thread)."""
+    if landed.done():  # the save was abandoned on the loop's side
+        return
+    if write.cancelled():
+        landed.set_exception(CancelledError(f"the asynchronous save was cancelled: {write}"))
+        return
     error = write.exception()
-    if error is None:
-        landed.set_result(write.result())
-    else:
+    if error is not None:
         landed.set_exception(error)
+        return
+    path = write.result()
+    with contextlib.suppress(checkpoint.CheckpointError, OSError):
+        landed.fingerprint = checkpoint.read_meta(path).get("fingerprint")
+    landed.set_result(path)
 
 
 def _finite_or_str(metrics: Mapping[str, float]) -> dict[str, Any]:

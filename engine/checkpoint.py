@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,10 @@ try:
     import numpy as np
 except ImportError:  # then every written byte is copied for hashing
     np = None  # type: ignore[assignment]
+try:
+    import fcntl
+except ImportError:  # not POSIX: leftovers cannot be told from saves in progress
+    fcntl = None  # type: ignore[assignment]
 
 from engine import _tree
 from engine._checksum import (
@@ -73,7 +78,8 @@ __all__ = [
 FORMAT_VERSION = 3
 META, TENSORS = "meta.json", "tensors.pt"
 _TMP_PREFIX = ".tmp-ckpt-"
-_ASIDE = "old-"  # _TMP_PREFIX + _ASIDE + "<pid>-...": a checkpoint moved aside while replaced
+_ASIDE = "old-"  # _TMP_PREFIX + _ASIDE + id: where a checkpoint being replaced is moved aside
+_LOCK = "lock-"  # _TMP_PREFIX + _LOCK + id: the lock a save holds while it writes (_Claim)
 
 
 class CheckpointError(RuntimeError):
@@ -160,43 +166,85 @@ def _meta(
 def _write(tensors: Mapping[str, Tensor], meta: Mapping[str, Any], target: Path) -> Path:
     """Write a checkpoint directory atomically and durably (see :func:`save`)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    # the writer's pid in the name: clean_leftovers never touches a save still in progress
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", dir=target.parent))
-    try:
-        with open(tmp / TENSORS, "wb") as raw:
-            f = _HashingWriter(raw, tensors.values())  # hashes in parallel: no re-read
-            with _NoZipCrc() as no_crc:
-                f.on_first_write = no_crc.restore
-                torch.save(dict(tensors), f)  # type: ignore[arg-type]  # a binary file object
-            raw.flush()
-            os.fsync(raw.fileno())  # the last chunks hash meanwhile
-            checksum = f.checksum()
-        with open(tmp / META, "w") as out:
-            json.dump({**meta, "files": {TENSORS: checksum}}, out, indent=2, sort_keys=True)
-            out.flush()
-            os.fsync(out.fileno())
-        _fsync_dir(tmp)
-        if target.exists():
-            # replace: move the old one aside first, under its own name, so that at every
-            # instant one complete checkpoint exists where clean_leftovers can find it (a crash
-            # between these two renames leaves it aside; clean_leftovers puts it back)
-            aside = f"{_TMP_PREFIX}{_ASIDE}{os.getpid()}-"
-            old = Path(tempfile.mkdtemp(prefix=aside, dir=target.parent))
-            os.replace(target, old / target.name)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-        _fsync_dir(target.parent)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            why = "the disk is full" if e.errno == errno.ENOSPC else str(e)
-            raise CheckpointError(
-                f"could not write checkpoint {target}: {why}; earlier checkpoints are intact"
-            ) from e
-        raise
+    with _Claim(target.parent) as claim:
+        tmp, old = claim.path(""), None
+        tmp.mkdir()
+        try:
+            with open(tmp / TENSORS, "wb") as raw:
+                f = _HashingWriter(raw, tensors.values())  # hashes in parallel: no re-read
+                with _NoZipCrc() as no_crc:
+                    f.on_first_write = no_crc.restore
+                    torch.save(dict(tensors), f)  # type: ignore[arg-type]  # a binary file
+                raw.flush()
+                os.fsync(raw.fileno())  # the last chunks hash meanwhile
+                checksum = f.checksum()
+            with open(tmp / META, "w") as out:
+                json.dump({**meta, "files": {TENSORS: checksum}}, out, indent=2, sort_keys=True)
+                out.flush()
+                os.fsync(out.fileno())
+            _fsync_dir(tmp)
+            if target.exists():
+                # replace: move the old one aside first, under its own name, so that at every
+                # instant one complete checkpoint exists where clean_leftovers finds it (a crash
+                # between these two renames leaves it aside; clean_leftovers puts it back)
+                old = claim.path(_ASIDE)
+                old.mkdir()
+                os.replace(target, old / target.name)
+                os.replace(tmp, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, target)
+            _fsync_dir(target.parent)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old is not None and (old / target.name).exists():
+                if not os.path.lexists(target):  # interrupted between the renames: put it back
+                    os.replace(old / target.name, target)
+                shutil.rmtree(old, ignore_errors=True)
+            if isinstance(e, OSError):
+                why = "the disk is full" if e.errno == errno.ENOSPC else str(e)
+                raise CheckpointError(
+                    f"could not write checkpoint {target}: {why}; earlier checkpoints are intact"
+                ) from e
+            raise
     return target
+
+
+class _Claim:
+    """A save's claim on its temporary names in a directory, held for the length of the write.
+
+    ``.tmp-ckpt-lock-<id>`` is created first and locked (``flock``, released by the kernel when
+    the writer's process dies, whatever its pid or pid namespace); the save's temporary
+    directory ``.tmp-ckpt-<id>`` and the one it moves a replaced checkpoint into,
+    ``.tmp-ckpt-old-<id>``, come after, and the lock file goes last. :func:`clean_leftovers`
+    touches the names of an ``<id>`` only when it can take that lock itself.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def __enter__(self) -> _Claim:
+        while True:
+            fd, lock = tempfile.mkstemp(prefix=_TMP_PREFIX + _LOCK, dir=self.directory)
+            if fcntl is None:
+                break
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a fresh file: nobody else holds it
+            try:  # unless a cleaner took it for a dead save's before it was locked: anew
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        self.fd, self.lock = fd, Path(lock)
+        self.id = self.lock.name[len(_TMP_PREFIX + _LOCK) :]
+        return self
+
+    def path(self, kind: str) -> Path:
+        return self.directory / f"{_TMP_PREFIX}{kind}{self.id}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.unlink(missing_ok=True)
+        os.close(self.fd)
 
 
 def save(
@@ -319,10 +367,17 @@ def save_async(
     snapshot = _SNAPSHOTS.take(tensors)
     try:
         view = _snapshot_view(state, snapshot) if fingerprint and not weights_only else None
-        return _WRITER.get().submit(_write_snapshot, snapshot, meta, Path(path), view)
+        future = _WRITER.get().submit(_write_snapshot, snapshot, meta, Path(path), view)
+        future.add_done_callback(partial(_give_back_if_cancelled, snapshot))
+        return future
     except BaseException:
         _SNAPSHOTS.give_back(snapshot)
         raise
+
+
+def _give_back_if_cancelled(snapshot: _Snapshot, future: Future[Path]) -> None:
+    if future.cancelled():  # it never ran, so _write_snapshot did not return the buffers
+        _SNAPSHOTS.give_back(snapshot)
 
 
 def wait() -> None:
@@ -347,43 +402,55 @@ def clean_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
 
     A save writes into a hidden temporary directory beside its target and renames it into place;
     replacing a checkpoint first moves the old one aside. A process that died meanwhile leaves
-    these behind. Those of saves still in progress (their writer's process is alive) are left
-    alone. A checkpoint found moved aside whose name is free again (the crash came between the
-    two renames of a replacement) is put back, so the earlier checkpoint survives.
+    these behind. Those of saves still in progress (in this process or another: each holds a
+    lock on a file of its own until it ends) are left alone. A checkpoint found moved aside
+    whose name is free again (the crash came between the two renames of a replacement) is put
+    back, so the earlier checkpoint survives.
     """
     removed: list[Path] = []
     root = Path(directory)
     if not root.is_dir():
         return removed
+    live: dict[str, bool] = {}  # by id: whether that save is still in progress
     for p in sorted(root.iterdir()):
-        if not p.name.startswith(_TMP_PREFIX) or _writer_alive(p.name):
+        if not p.name.startswith(_TMP_PREFIX):
             continue
-        if p.name.startswith(_TMP_PREFIX + _ASIDE) and p.is_dir():
+        name = p.name[len(_TMP_PREFIX) :]
+        kind = next((k for k in (_LOCK, _ASIDE) if name.startswith(k)), "")
+        id_ = name[len(kind) :]
+        if id_ not in live:
+            live[id_] = _held(root / f"{_TMP_PREFIX}{_LOCK}{id_}")
+        if live[id_]:
+            continue
+        if kind == _ASIDE and p.is_dir():
             for kept in p.iterdir():
                 if kept.name != "ckpt" and not os.path.lexists(root / kept.name):
                     os.replace(kept, root / kept.name)  # ("ckpt": before names were kept)
-        shutil.rmtree(p, ignore_errors=True)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
         removed.append(p)
     if removed:
         _fsync_dir(root)
     return removed
 
 
-def _writer_alive(name: str) -> bool:
-    """Whether the process whose pid a temporary directory's name carries is running."""
-    rest = name[len(_TMP_PREFIX) :].removeprefix(_ASIDE)
-    pid = rest.partition("-")[0]
-    if not pid.isdigit():
-        return False  # written before names carried the pid
-    if int(pid) == os.getpid():
-        return True  # this process: a save in progress (an asynchronous one, say)
+def _held(lock: Path) -> bool:
+    """Whether a save still holds ``lock`` (one of :class:`_Claim`'s files)."""
+    if fcntl is None:
+        return False  # no locks here (not POSIX): every leftover is taken for dead
     try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # alive, another user's
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False  # gone: that save has just ended
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
         return True
-    return True
+    finally:
+        os.close(fd)  # releases the lock if it was taken
+    return False
 
 
 # --------------------------------------------------------------------------- loading

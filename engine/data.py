@@ -30,10 +30,10 @@ __all__ = [
     "order_outside_the_state",
     "position_loader",
     "resolve_loaders",
+    "restore_loader",
     "seed_shuffle",
     "state_from_json",
     "state_to_json",
-    "restore_loader",
     "stateful",
 ]
 
@@ -405,16 +405,20 @@ def restore_loader(loader: Any) -> None:
 
 
 class _SkipFirst(Sampler[Any]):
-    """``sampler``'s order without its first ``skip`` items: the rest of a resumed epoch.
+    """For one iteration of ``batch_sampler``: its sampler's order without the first ``skip``
+    items (the rest of a resumed epoch).
 
     The sampler still runs through the skipped items, so whatever generator it draws from
-    advances exactly as in the uninterrupted epoch; only the loading is left out.
+    advances exactly as in the uninterrupted epoch; only the loading is left out. Iterating
+    puts the sampler back, so the next pass over the same loader (a validation on the
+    training loader, the next epoch) is a whole one.
     """
 
-    def __init__(self, sampler: Any, skip: int) -> None:
-        self.sampler, self.skip = sampler, skip
+    def __init__(self, batch_sampler: Any, skip: int) -> None:
+        self.batch_sampler, self.sampler, self.skip = batch_sampler, batch_sampler.sampler, skip
 
     def __iter__(self) -> Iterator[Any]:
+        self.batch_sampler.sampler = self.sampler  # one pass only
         return itertools.islice(iter(self.sampler), self.skip, None)
 
     def __len__(self) -> int:  # the whole epoch's, as ShuffleSampler's during a resumed epoch
@@ -423,8 +427,8 @@ class _SkipFirst(Sampler[Any]):
 
 def _skip_by_index(loader: Any, batches: int) -> bool:
     """Make a map-style ``DataLoader`` skip its first ``batches`` batches without loading them:
-    its ``BatchSampler`` draws the skipped indices and drops them. Not for loaders that restore
-    their own position (``stateful``), iterable datasets or custom batch samplers."""
+    its ``BatchSampler`` draws the skipped indices and drops them, once. Not for loaders that
+    restore their own position (``stateful``), iterable datasets or custom batch samplers."""
     bs = getattr(loader, "batch_sampler", None)
     if (
         type(bs) is not torch.utils.data.BatchSampler
@@ -432,12 +436,12 @@ def _skip_by_index(loader: Any, batches: int) -> bool:
         or isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
     ):
         return False
-    inner = bs.sampler.sampler if isinstance(bs.sampler, _SkipFirst) else bs.sampler
-    bs.sampler = _SkipFirst(inner, batches * bs.batch_size)
+    bs.sampler = _SkipFirst(bs, batches * bs.batch_size)
     return True
 
 
 def _unskip(loader: Any) -> None:
+    """Put back a sampler :func:`_skip_by_index` wrapped and nothing iterated since."""
     bs = getattr(loader, "batch_sampler", None)
     if isinstance(getattr(bs, "sampler", None), _SkipFirst):
         bs.sampler = bs.sampler.sampler  # type: ignore[union-attr]

@@ -273,6 +273,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self._resume_event: tuple[Event, list[str]] | None = None
         self._emitter = Emitter(())  # rebuilt from the listeners by each run
         self._data_position: Any = None  # a stateful loader's state after the current batch
+        self._positioned: list[Any] = []  # training loaders the fit seeded or positioned
         self._resume_data_state: Any = None  # ... as a restored checkpoint recorded it
 
     # ------------------------------------------------------------------ construction helpers
@@ -509,11 +510,13 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self._total_batch_idx = 0  # a checkpoint, if given, restores these
         self._phase, self._resume_phase, self._resume_event = "between", None, None
         self._data_position = self._resume_data_state = None
+        self._positioned = []
         with self._run("fit", task, state, ckpt_path):
             try:
                 self._fit(task, train_loaders[0], val_loaders, datamodule)
             finally:
-                restore_loader(train_loaders[0])  # as the user made it
+                for loader in self._positioned:  # as the user made them (reloaded ones too)
+                    restore_loader(loader)
         assert self._state is not None
         return self._state
 
@@ -632,6 +635,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         saved mid-epoch resumes there; the rest are fetched and dropped)."""
         assert self._state is not None
         skip = self._state.batch_idx
+        if not any(x is train_loader for x in self._positioned):
+            self._positioned.append(train_loader)
         seed_shuffle(train_loader, self._state.seed, epoch)  # shuffle=True: order from the state
         offset = skip if position_loader(train_loader, epoch, skip) else 0
         restored, self._resume_data_state = self._resume_data_state, None

@@ -203,22 +203,64 @@ def test_a_crash_between_the_renames_of_a_replacement_keeps_the_earlier_checkpoi
     aside = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-ckpt-old-")]
     assert len(aside) == 1 and (aside[0] / "c" / "meta.json").is_file()
     removed = checkpoint.clean_leftovers(tmp_path)
-    assert len(removed) == 2  # the new one, half renamed, and the directory the old one was in
+    assert len(removed) == 3  # the new one, the directory the old one was in, the save's lock
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
     back = checkpoint.load(tmp_path / "c", _template())
     assert back.fingerprint() == _trained(calls=2).fingerprint()
 
 
 def test_leftovers_of_a_save_still_in_progress_are_left_alone(tmp_path):
-    mine = tmp_path / f".tmp-ckpt-{os.getpid()}-abc"  # this process: a save in flight
-    mine.mkdir()
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    # a save holds a lock until it ends; the kernel drops it when its process dies, whatever the
+    # process id (a container restarted with the same pid included)
+    with checkpoint._Claim(tmp_path) as claim:  # this process: a save in flight
+        claim.path("").mkdir()
+        assert checkpoint.clean_leftovers(tmp_path) == []
+        claim.path("").rmdir()  # as the save would, renaming it into place
+    other = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from engine import checkpoint
+        with checkpoint._Claim(Path({str(tmp_path)!r})) as claim:
+            claim.path("").mkdir()
+            print(claim.id, flush=True)
+            sys.stdin.readline()  # until told
+    """)
+    child = subprocess.Popen(
+        [sys.executable, "-c", other], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    dead = tmp_path / f".tmp-ckpt-{int(gone.stdout)}-def"  # that process has ended
-    dead.mkdir()
-    assert checkpoint.clean_leftovers(tmp_path) == [dead]
-    assert mine.is_dir()
+    try:
+        claim_id = child.stdout.readline().strip()
+        live = tmp_path / f".tmp-ckpt-{claim_id}"
+        assert live.is_dir()
+        assert checkpoint.clean_leftovers(tmp_path) == []  # another process's save in flight
+    finally:
+        child.kill()  # dies holding it
+        child.wait()
+    removed = checkpoint.clean_leftovers(tmp_path)
+    assert {p.name for p in removed} == {live.name, f".tmp-ckpt-lock-{claim_id}"}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_between_the_renames_of_a_replacement_puts_the_old_checkpoint_back(
+    tmp_path, monkeypatch
+):
+    checkpoint.save(_trained(calls=2), tmp_path / "c")
+    real, calls = os.replace, []
+
+    def failing_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the new checkpoint's rename into place
+            raise OSError(errno.EIO, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(CheckpointError, match="earlier checkpoints are intact"):
+        checkpoint.save(_trained(calls=5), tmp_path / "c")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert checkpoint.load(tmp_path / "c", _template()).fingerprint() == (
+        _trained(calls=2).fingerprint()
+    )
 
 
 def test_engine_inspect_prints_the_summary_and_the_verdict(tmp_path):

@@ -26,10 +26,10 @@ def _data():
 
 
 def _trainer(tmp_path, **kw):
+    kw = {"enable_checkpointing": False} | kw
     return eg.Trainer(
         logger=False,
         enable_progress_bar=False,
-        enable_checkpointing=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
         **kw,
@@ -165,3 +165,104 @@ def _counting(fn, calls):
         return fn(self, *a, **k)
 
     return wrapped
+
+
+def test_async_saves_to_one_path_are_journaled_each_with_its_own_fingerprint(tmp_path, monkeypatch):
+    # saves to "last" that land back to back (a slow disk, a long validation between batch
+    # ends): each line holds the fingerprint of the state that save wrote, not the latest one
+    import time
+
+    from engine import checkpoint
+
+    real = checkpoint._write
+    monkeypatch.setattr(checkpoint, "_write", lambda *a, **k: time.sleep(0.05) or real(*a, **k))
+
+    class SlowValidation(eg.Listener):
+        def on_validation_start(self, rec):
+            time.sleep(0.4)
+
+    task, seen = _task(), _Record()
+    mc = eg.ModelCheckpoint(
+        tmp_path / "ckpt",
+        save_top_k=0,
+        save_last=True,
+        every_n_train_steps=1,
+        asynchronous=True,
+    )
+    journal = Journal(tmp_path / "run", every_n_steps=100, fingerprint_every_n_steps=0)
+    _trainer(
+        tmp_path,
+        max_epochs=2,
+        num_sanity_val_steps=0,
+        enable_checkpointing=True,
+        callbacks=[journal, seen, SlowValidation(), mc],
+    ).fit(task, task.init(nn.Linear(3, 1)), _data(), _data()[:1])
+    lines = [x for x in Journal.read(tmp_path / "run") if not x.get("start")]
+    assert [x["step"] for x in lines] == list(range(1, 11))
+    for line in lines:
+        assert line["fingerprint"] == seen.fingerprints[line["step"]], line["step"]
+
+
+_HANGS = """
+import sys, time, tempfile
+from pathlib import Path
+import torch, torch.nn.functional as F
+import engine as eg
+from engine import checkpoint, optim
+from engine.listeners import Journal
+
+real = checkpoint._write
+checkpoint._write = lambda *a, **k: time.sleep(0.2) or real(*a, **k)
+root = Path(tempfile.mkdtemp())
+
+class Refuses(eg.Listener):
+    def on_save_checkpoint(self, rec):
+        raise RuntimeError("a listener refuses this save")
+
+class Saver(eg.Listener):
+    def on_train_batch_end(self, rec):
+        if rec.state.step == 2:
+            rec.trainer.save_checkpoint(root / "a", asynchronous=True)
+            queued = rec.trainer.save_checkpoint(root / "b", asynchronous=True)
+            assert queued.cancel()
+
+task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+data = [(torch.randn(4, 3), torch.randn(4, 1))] * 4
+listeners = [Journal(root / "run"), Refuses(), Saver()] if sys.argv[1] == "raise" else [
+    Journal(root / "run"), Saver()]
+trainer = eg.Trainer(max_epochs=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, enable_checkpointing=False,
+                     default_root_dir=root, callbacks=listeners)
+try:
+    trainer.fit(task, task.init(torch.nn.Linear(3, 1)), data)
+except RuntimeError as e:
+    print("raised:", e)
+print("lines:", [x["step"] for x in Journal.read(root / "run") if "checkpoint" in x])
+"""
+
+
+def test_a_refused_or_cancelled_asynchronous_save_ends_the_fit_rather_than_hanging(tmp_path):
+    import subprocess
+    import sys
+
+    for case, expected in (
+        ("raise", "raised: a listener refuses this save"),
+        ("cancel", "lines: [0, 2]"),  # the start, and "a"; the cancelled "b" has no line
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", _HANGS, case], capture_output=True, text=True, timeout=60
+        )
+        assert expected in done.stdout, (case, done.stdout, done.stderr[-2000:])
+
+
+def test_a_checkpoint_saved_at_train_end_after_the_journal_is_journaled(tmp_path):
+    class SaveAtEnd(eg.Listener):
+        def on_train_end(self, rec):
+            rec.trainer.save_checkpoint(tmp_path / "end")
+
+    task = _task()
+    _trainer(tmp_path, max_epochs=1, callbacks=[Journal(tmp_path / "run"), SaveAtEnd()]).fit(
+        task, task.init(nn.Linear(3, 1)), _data()
+    )
+    last = Journal.read(tmp_path / "run")[-1]
+    assert last["checkpoint"] == str(tmp_path / "end") and last["step"] == 5

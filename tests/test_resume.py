@@ -385,3 +385,50 @@ def test_a_checkpoint_records_the_run_configuration(tmp_path):
     config = checkpoint.read_meta(trainer.save_checkpoint(tmp_path / "c"))["extra"]["config"]
     assert config["max_epochs"] == 2 and config["accumulate_grad_batches"] == 3
     assert config["gradient_clip_val"] == 0.5 and config["torch_version"] == torch.__version__
+
+
+def test_a_loader_that_both_trains_and_validates_skips_only_in_training_on_resume(tmp_path):
+    class Watch(eg.Listener):
+        def __init__(self):
+            self.val_batches, self.val_loss = 0, None
+
+        def on_validation_batch_end(self, rec):
+            if not rec.trainer.sanity_checking:
+                self.val_batches += 1
+
+        def on_validation_end(self, rec):
+            if not rec.trainer.sanity_checking:
+                self.val_loss = rec.trainer.callback_metrics["val/loss"]
+
+    task = _task()
+    shared = torch.utils.data.DataLoader(_Counted(), batch_size=4)
+    kw = {"max_epochs": 1, "num_sanity_val_steps": 0}
+    full_watch = Watch()
+    _trainer(**kw, callbacks=[full_watch, _SaveAt(3, tmp_path / "c")]).fit(
+        task, task.init(_model(), seed=5), shared, shared
+    )
+    watch = Watch()
+    _trainer(**kw, callbacks=[watch]).fit(
+        task, task.init(_model()), shared, shared, ckpt_path=tmp_path / "c"
+    )
+    assert watch.val_batches == full_watch.val_batches == 10
+    assert watch.val_loss == full_watch.val_loss
+
+
+def test_every_training_loader_a_fit_positioned_is_put_back(tmp_path):
+    class Reloading:  # a new shuffled loader every epoch
+        def __init__(self):
+            self.made = []
+
+        def train_dataloader(self):
+            self.made.append(torch.utils.data.DataLoader(_Counted(), batch_size=4, shuffle=True))
+            return self.made[-1]
+
+    dm, task = Reloading(), _task()
+    _trainer(max_epochs=3, reload_dataloaders_every_n_epochs=1).fit(
+        task, task.init(_model()), datamodule=dm
+    )
+    assert len(dm.made) == 3
+    for loader in dm.made:
+        assert loader.sampler.generator is None
+        assert not isinstance(loader.batch_sampler.sampler, eg.data._SkipFirst)

@@ -525,7 +525,7 @@ class ModelCheckpoint(Listener):
             if not wait and not all(f.done() for f in futures):
                 return
             self._in_flight.pop(0)
-            if all(f.exception() is None for f in futures):
+            if all(not f.cancelled() and f.exception() is None for f in futures):
                 for path in doomed:
                     _remove(path)
 

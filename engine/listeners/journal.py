@@ -18,7 +18,6 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import warnings
@@ -163,7 +162,8 @@ class Journal(Listener):
             line = self._line(rec, loss=None, fingerprint=False, checkpoint=path)
             self._landing.append((line, rec.checkpoint_future))
 
-    def on_train_end(self, rec: EventRecord) -> None:
+    def teardown(self, rec: EventRecord) -> None:
+        # not at on_train_end: listeners after this one may still save a checkpoint there
         self._write_landed(wait=True)
         self._close()
 
@@ -211,15 +211,14 @@ class Journal(Listener):
 
     def _write_landed(self, *, wait: bool) -> None:
         """Write the lines of the asynchronous checkpoints that are on disk (all of them, once
-        they land, with ``wait``), in order, each with the fingerprint its ``meta.json`` holds."""
+        they land, with ``wait``), in order, each with the fingerprint its writer recorded."""
         while self._landing and (wait or self._landing[0][1].done()):
             line, future = self._landing.pop(0)
-            if future.exception() is not None:  # never landed: no line points at it
-                continue
-            with contextlib.suppress(checkpoint.CheckpointError, OSError):
-                fingerprint = checkpoint.read_meta(future.result()).get("fingerprint")
-                if fingerprint is not None:
-                    line["fingerprint"] = fingerprint
+            if future.cancelled() or future.exception() is not None:
+                continue  # never landed: no line points at it
+            fingerprint = getattr(future, "fingerprint", None)  # the Trainer's, of this save
+            if fingerprint is not None:
+                line["fingerprint"] = fingerprint
             self._put(line)
 
     def _close(self) -> None:
