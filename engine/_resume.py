@@ -152,8 +152,10 @@ class CheckpointingMixin:
         asynchronous: bool = False,
         event: list[Any] | None = None,
         weights_only: bool = False,
+        fingerprint: bool = True,
     ) -> Any:
-        """save_checkpoint without the event (the journal's record of the start state)."""
+        """save_checkpoint without the event (the journal's record of the start state, which
+        fingerprints that state itself: ``fingerprint=False``)."""
         assert self._state is not None
         listeners = {}
         for key, listener in self._keyed_listeners():
@@ -193,7 +195,7 @@ class CheckpointingMixin:
                 filepath,
                 metrics=metrics,
                 extra=extra,
-                fingerprint=True,
+                fingerprint=fingerprint,
                 weights_only=weights_only,
             )
         return checkpoint.save(

@@ -129,7 +129,7 @@ class Journal(Listener):
         start = trainer.ckpt_path  # a resumed fit starts from that checkpoint
         if start is None:  # else the state it was given: saved beside the journal
             start = str(root / f"start-step={rec.state.step}")
-            trainer._write_checkpoint(start, asynchronous=True)
+            trainer._write_checkpoint(start, asynchronous=True, fingerprint=False)
             # a one-off: no later save of this journal reuses the snapshot's host memory
             checkpoint.release_buffers()
         self._put(
