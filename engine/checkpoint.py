@@ -403,37 +403,50 @@ def clean_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
     A save writes into a hidden temporary directory beside its target and renames it into place;
     replacing a checkpoint first moves the old one aside. A process that died meanwhile leaves
     these behind. Those of saves still in progress (in this process or another: each holds a
-    lock on a file of its own until it ends) are left alone. A checkpoint found moved aside
-    whose name is free again (the crash came between the two renames of a replacement) is put
-    back, so the earlier checkpoint survives.
+    lock on a file of its own until it ends) are left alone. When a crash came between the two
+    renames of a replacement, the name is free and both checkpoints are there: the new one,
+    complete, takes the name if it verifies, else the old one is put back.
     """
     removed: list[Path] = []
     root = Path(directory)
     if not root.is_dir():
         return removed
-    live: dict[str, bool] = {}  # by id: whether that save is still in progress
+    saves: dict[str, dict[str, Path]] = {}  # by save id: its leftovers, by kind
     for p in sorted(root.iterdir()):
-        if not p.name.startswith(_TMP_PREFIX):
-            continue
-        name = p.name[len(_TMP_PREFIX) :]
-        kind = next((k for k in (_LOCK, _ASIDE) if name.startswith(k)), "")
-        id_ = name[len(kind) :]
-        if id_ not in live:
-            live[id_] = _held(root / f"{_TMP_PREFIX}{_LOCK}{id_}")
-        if live[id_]:
-            continue
-        if kind == _ASIDE and p.is_dir():
-            for kept in p.iterdir():
-                if kept.name != "ckpt" and not os.path.lexists(root / kept.name):
-                    os.replace(kept, root / kept.name)  # ("ckpt": before names were kept)
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-        removed.append(p)
+        if p.name.startswith(_TMP_PREFIX):
+            name = p.name[len(_TMP_PREFIX) :]
+            kind = next((k for k in (_LOCK, _ASIDE) if name.startswith(k)), "")
+            saves.setdefault(name[len(kind) :], {})[kind] = p
+    for id_, parts in saves.items():
+        if _held(root / f"{_TMP_PREFIX}{_LOCK}{id_}"):
+            continue  # a save in progress
+        aside, new = parts.get(_ASIDE), parts.get("")
+        for kept in list(aside.iterdir()) if aside is not None and aside.is_dir() else []:
+            target = root / kept.name
+            if kept.name == "ckpt" or os.path.lexists(target):  # ("ckpt": names not kept yet)
+                continue
+            if new is not None and _complete_checkpoint(new):
+                os.replace(new, target)  # the replacement was written in full: it wins
+            else:
+                os.replace(kept, target)
+        for p in parts.values():
+            if not os.path.lexists(p):  # the replacement, renamed into place above
+                continue
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
     if removed:
         _fsync_dir(root)
     return removed
+
+
+def _complete_checkpoint(path: Path) -> bool:
+    try:
+        return bool(inspect(path)["verified"])
+    except CheckpointError:
+        return False
 
 
 def _held(lock: Path) -> bool:

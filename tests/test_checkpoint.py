@@ -179,9 +179,10 @@ def test_leftovers_of_an_interrupted_save_are_cleaned_and_do_not_disturb(tmp_pat
     assert not half.exists() and checkpoint.inspect(good)["verified"]
 
 
-def test_a_crash_between_the_renames_of_a_replacement_keeps_the_earlier_checkpoint(tmp_path):
+@pytest.mark.parametrize("new_one", ["complete", "damaged"])
+def test_a_crash_between_the_renames_of_a_replacement_loses_no_checkpoint(tmp_path, new_one):
     # the process dies after moving the old checkpoint aside and before renaming the new one
-    # into place: the next clean_leftovers puts the old one back
+    # into place: the next clean_leftovers puts the new one there if it verifies, else the old
     here = str(Path(__file__).parent)
     script = textwrap.dedent(f"""
         import os, sys; sys.path.insert(0, {here!r})
@@ -202,11 +203,16 @@ def test_a_crash_between_the_renames_of_a_replacement_keeps_the_earlier_checkpoi
     assert not (tmp_path / "c").exists()  # the crash left no checkpoint under the name
     aside = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-ckpt-old-")]
     assert len(aside) == 1 and (aside[0] / "c" / "meta.json").is_file()
-    removed = checkpoint.clean_leftovers(tmp_path)
-    assert len(removed) == 3  # the new one, the directory the old one was in, the save's lock
+    if new_one == "damaged":
+        (new,) = [p for p in tmp_path.iterdir() if p.is_dir() and p not in aside]
+        data = bytearray((new / "tensors.pt").read_bytes())
+        data[len(data) // 2] ^= 1
+        (new / "tensors.pt").write_bytes(bytes(data))
+    checkpoint.clean_leftovers(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
     back = checkpoint.load(tmp_path / "c", _template())
-    assert back.fingerprint() == _trained(calls=2).fingerprint()
+    calls = 5 if new_one == "complete" else 2
+    assert back.fingerprint() == _trained(calls=calls).fingerprint()
 
 
 def test_leftovers_of_a_save_still_in_progress_are_left_alone(tmp_path):
