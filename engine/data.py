@@ -359,7 +359,11 @@ def order_outside_the_state(loader: Any) -> bool:
         False
     """
     s = _random_sampler(loader)
-    return s is not None and s.generator is not None and not getattr(s, _SEEDED, False)
+    if s is None:
+        return False
+    if type(s).__iter__ is not torch.utils.data.RandomSampler.__iter__:
+        return True  # a subclass with an order of its own: whether it reads .generator is unknown
+    return s.generator is not None and not getattr(s, _SEEDED, False)
 
 
 def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
@@ -387,7 +391,11 @@ def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
         True
     """
     s = _random_sampler(loader)
-    if s is None or (s.generator is not None and not getattr(s, _SEEDED, False)):
+    if (
+        s is None
+        or (s.generator is not None and not getattr(s, _SEEDED, False))
+        or type(s).__iter__ is not torch.utils.data.RandomSampler.__iter__
+    ):
         return False
     s.generator = torch.Generator().manual_seed(derive_seed(seed, epoch, 0, stream=SHUFFLE))
     setattr(s, _SEEDED, True)

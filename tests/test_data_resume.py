@@ -177,3 +177,16 @@ def test_fit_warns_when_a_random_sampler_draws_from_a_users_generator(tmp_path):
         _trainer(max_epochs=1).fit(task, task.init(_model()), loader(0))
         # shuffle=True without a generator: the Trainer seeds it from the state
         _trainer(max_epochs=1).fit(task, task.init(_model()), DataLoader(ds, shuffle=True))
+
+
+def test_a_random_sampler_subclass_with_its_own_order_is_left_alone_and_warned_about():
+    from torch.utils.data import RandomSampler
+
+    class GlobalOrder(RandomSampler):  # draws from the global generator whatever .generator is
+        def __iter__(self):
+            return iter(torch.randperm(len(self.data_source)).tolist())
+
+    loader = DataLoader(range(8), sampler=GlobalOrder(range(8)))
+    assert not eg.data.seed_shuffle(loader, seed=0, epoch=0)
+    assert loader.sampler.generator is None
+    assert eg.data.order_outside_the_state(loader)
