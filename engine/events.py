@@ -98,7 +98,9 @@ class EventRecord:
             ``on_load_checkpoint``.
         checkpoint_future: for ``on_save_checkpoint`` of an asynchronous save, a future of the
             checkpoint's path that completes once it is on disk (or fails as the write did);
-            None for a synchronous save, which is on disk when the event's caller returns.
+            None for a synchronous save, which is on disk when the event's caller returns. The
+            write starts after every listener has had the event (their states go into the
+            checkpoint), so wait on it later, never inside the handler.
         trainer: the Trainer, for its read-only properties (``global_step``,
             ``num_training_batches``, ``logged_metrics``, ...).
     """
