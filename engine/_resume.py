@@ -15,6 +15,7 @@ import time
 import warnings
 from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import CancelledError, Future
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,17 +112,10 @@ class CheckpointingMixin:
             key_of = {id(x): k for k, x in self._keyed_listeners(stateful_only=False)}
             event, waiting = pending
             event_state = [event.value, [key_of[id(x)] for x in waiting if id(x) in key_of]]
-        if not asynchronous:
-            self._emit(Event.ON_SAVE_CHECKPOINT, checkpoint_path=os.fspath(filepath))
-            return self._write_checkpoint(
-                filepath,
-                metrics=metrics,
-                event=None if pending is None else event_state,
-                weights_only=weights_only,
-            )
-        # the event comes first (a listener's state must be in the checkpoint), the write after:
-        # listeners get a future that the write's future completes, whatever happens meanwhile
-        landed = _Landing()
+        # the event comes first (a listener's state must be in the checkpoint), the write after;
+        # for an asynchronous save listeners get a future that the write's future completes,
+        # whatever happens meanwhile
+        landed = _Landing() if asynchronous else None
         chained = False
         try:
             self._emit(
@@ -129,20 +123,21 @@ class CheckpointingMixin:
                 checkpoint_path=os.fspath(filepath),
                 checkpoint_future=landed,
             )
-            future = self._write_checkpoint(
+            out = self._write_checkpoint(
                 filepath,
                 metrics=metrics,
-                asynchronous=True,
+                asynchronous=asynchronous,
                 event=None if pending is None else event_state,
                 weights_only=weights_only,
             )
-            future.add_done_callback(lambda f: _complete(landed, f))
+            if landed is not None:
+                out.add_done_callback(partial(_complete, landed))
             chained = True
         except BaseException as e:
-            if not chained and not landed.done():
+            if landed is not None and not chained and not landed.done():
                 landed.set_exception(e)
             raise
-        return future
+        return out
 
     def _write_checkpoint(
         self,

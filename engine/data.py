@@ -359,11 +359,15 @@ def order_outside_the_state(loader: Any) -> bool:
         False
     """
     s = _random_sampler(loader)
-    if s is None:
-        return False
-    if type(s).__iter__ is not torch.utils.data.RandomSampler.__iter__:
-        return True  # a subclass with an order of its own: whether it reads .generator is unknown
-    return s.generator is not None and not getattr(s, _SEEDED, False)
+    return s is not None and not _seedable(s)
+
+
+def _seedable(s: torch.utils.data.RandomSampler) -> bool:
+    """Whether :func:`seed_shuffle` may give ``s`` its generator: no generator of the user's, and
+    torch's own ``__iter__`` (a subclass's order may not read ``.generator`` at all)."""
+    return type(s).__iter__ is torch.utils.data.RandomSampler.__iter__ and (
+        s.generator is None or getattr(s, _SEEDED, False)
+    )
 
 
 def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
@@ -391,11 +395,7 @@ def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
         True
     """
     s = _random_sampler(loader)
-    if (
-        s is None
-        or (s.generator is not None and not getattr(s, _SEEDED, False))
-        or type(s).__iter__ is not torch.utils.data.RandomSampler.__iter__
-    ):
+    if s is None or not _seedable(s):
         return False
     s.generator = torch.Generator().manual_seed(derive_seed(seed, epoch, 0, stream=SHUFFLE))
     setattr(s, _SEEDED, True)
