@@ -5,11 +5,16 @@ Every flag is checked at construction; an error names the flag, the value and wh
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+from engine.events import Event
 
 __all__: list[str] = []
 
@@ -58,9 +63,22 @@ def check_limit(name: str, value: Any) -> int | float:
     )
 
 
+def _same(value: Any, choice: Any) -> bool:
+    """``value == choice`` with the type kept: a bool is not an int (devices=True is not 1), a
+    float is not an int (precision=32.0), a tuple is not a list, elementwise."""
+    if isinstance(choice, (list, tuple)):
+        return (
+            isinstance(value, type(choice))
+            and len(value) == len(choice)
+            and all(_same(v, c) for v, c in zip(value, choice, strict=True))
+        )
+    if choice is None or isinstance(choice, bool):
+        return value is choice
+    return isinstance(value, type(choice)) and not isinstance(value, bool) and value == choice
+
+
 def check_choice(name: str, value: Any, choices: tuple[Any, ...], later: str = "") -> Any:
-    # a bool is not an int here: devices=True must not pass as devices=1
-    if not any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in choices):
+    if not any(_same(value, c) for c in choices):
         shown = ", ".join(repr(c) for c in choices)
         hint = f" ({later})" if later else ""
         raise ValueError(f"Trainer({name}={value!r}): accepted values are {shown}{hint}")
@@ -116,13 +134,25 @@ def parse_max_time(value: Any) -> timedelta | None:
     keyword arguments (the Timer listener's parser, with the flag named in the error)."""
     from engine.listeners.timer import parse_duration
 
+    if isinstance(value, Mapping) and any(
+        isinstance(v, bool) or not isinstance(v, (int, float)) for v in value.values()
+    ):
+        raise ValueError(
+            f"Trainer(max_time={value!r}): the dict's values must be numbers, like {{'hours': 12}}"
+        )
     try:
         return parse_duration(value)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: inf, or too long
         raise ValueError(f"Trainer(max_time={value!r}): {e}") from None
 
 
-def check_val_check_interval(value: Any) -> int | float:
+def check_val_check_interval(value: Any, check_val_every_n_epoch: int | None) -> int | float:
+    if isinstance(value, float) and check_val_every_n_epoch is None:
+        # as Lightning: a fraction of an epoch needs epochs to count in
+        raise ValueError(
+            f"Trainer(val_check_interval={value!r}): with check_val_every_n_epoch=None pass an "
+            "int (every N training batches, counted across epochs)"
+        )
     if value is None:
         return 1.0
     if isinstance(value, bool):
@@ -136,9 +166,14 @@ def check_val_check_interval(value: Any) -> int | float:
         return value
     if isinstance(value, float) and 0.0 < value <= 1.0:
         return value
+    later = (
+        "; a time-based interval is not supported yet"
+        if isinstance(value, (str, timedelta, Mapping))
+        else ""
+    )
     raise ValueError(
         f"Trainer(val_check_interval={value!r}): pass a float in (0.0, 1.0] (a fraction of the "
-        "epoch) or an int >= 1 (every N training batches)"
+        f"epoch) or an int >= 1 (every N training batches){later}"
     )
 
 
@@ -151,3 +186,82 @@ def sanity_steps(value: Any) -> float:
             "-1 (all validation batches) or None (2)"
         )
     return math.inf if value == -1 else value
+
+
+def check_clip_val(value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(
+            f"Trainer(gradient_clip_val={value!r}): pass a finite number >= 0 or None (no clipping)"
+        )
+
+
+def check_compile(value: Any) -> None:
+    """``compile``: a bool, or a dict of ``torch.compile`` keyword arguments."""
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"Trainer(compile={value!r}): pass True, False or a dict of torch.compile options"
+        )
+    keywords = [k for k in inspect.signature(torch.compile).parameters if k != "model"]
+    for key in value:
+        if key not in keywords:
+            raise ValueError(
+                f"Trainer(compile={value!r}): {key!r} is not a torch.compile option; the dict's "
+                f"keys are among {', '.join(keywords)}"
+            )
+
+
+def _instance(name: str, value: Any, item: Any) -> None:
+    if isinstance(item, type):
+        raise ValueError(
+            f"Trainer({name}={value!r}): pass {item.__name__}(...) (an instance), not the class"
+        )
+
+
+def check_loggers(value: Any) -> None:
+    """``logger``: True / None (a TensorBoardLogger), False, a logger or a list/tuple of them."""
+    if value is None or isinstance(value, bool):
+        return
+    for lg in value if isinstance(value, (list, tuple)) else [value]:
+        _instance("logger", value, lg)
+        if not callable(getattr(lg, "log_metrics", None)):
+            raise ValueError(
+                f"Trainer(logger={value!r}): {lg!r} has no log_metrics(metrics, step) method; "
+                "pass an engine.loggers logger (TensorBoardLogger, CSVLogger), a list of them, "
+                "True (a TensorBoardLogger) or False"
+            )
+
+
+def check_callbacks(value: Any) -> None:
+    """``callbacks``: None, a listener or a list/tuple of them; a listener is an instance with
+    a method named after an :class:`~engine.events.Event` (what the Emitter dispatches to)."""
+    if value is None:
+        return
+    for x in value if isinstance(value, (list, tuple)) else [value]:
+        _instance("callbacks", value, x)
+        if not any(callable(getattr(x, event.value, None)) for event in Event):
+            raise ValueError(
+                f"Trainer(callbacks={value!r}): {x!r} is not a listener (it has no method named "
+                "after an engine.Event, such as on_train_batch_end); pass listener instances "
+                "such as EarlyStopping(...), a list of them, or wrap a function with "
+                "engine.on(Event..., fn)"
+            )
+
+
+def root_dir(value: Any) -> str:
+    """``default_root_dir``: a str or os.PathLike path; None or "" for the working directory."""
+    if value is None:
+        return os.getcwd()
+    try:
+        path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    except TypeError:
+        path = None
+    if not isinstance(path, str):
+        raise ValueError(
+            f"Trainer(default_root_dir={value!r}): pass a directory as a str or os.PathLike "
+            "(pathlib.Path), or None for the working directory"
+        )
+    return path or os.getcwd()

@@ -143,18 +143,10 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             profiler=profiler,
             gradient_clip_algorithm=gradient_clip_algorithm,
         )
-        if not isinstance(compile, (bool, Mapping)):
-            raise ValueError(
-                f"Trainer(compile={compile!r}): pass True, False or a dict of torch.compile options"
-            )
-        if gradient_clip_val is not None and (
-            isinstance(gradient_clip_val, bool)
-            or not isinstance(gradient_clip_val, (int, float))
-            or gradient_clip_val < 0
-        ):
-            raise ValueError(
-                f"Trainer(gradient_clip_val={gradient_clip_val!r}): pass a number >= 0 or None"
-            )
+        cfg.check_compile(compile)
+        cfg.check_clip_val(gradient_clip_val)
+        cfg.check_loggers(logger)
+        cfg.check_callbacks(callbacks)
 
         # -- loop limits
         self.max_steps = cfg.check_int("max_steps", max_steps, minimum=-1)
@@ -177,7 +169,9 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         if self.overfit_batches > 0:
             self.limit_train_batches = self.overfit_batches
             self.limit_val_batches = self.overfit_batches
-        self.val_check_interval = cfg.check_val_check_interval(val_check_interval)
+        self.val_check_interval = cfg.check_val_check_interval(
+            val_check_interval, check_val_every_n_epoch
+        )
         self.check_val_every_n_epoch = cfg.check_int(
             "check_val_every_n_epoch", check_val_every_n_epoch, minimum=1, allow_none=True
         )
@@ -237,7 +231,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self.detect_anomaly = detect_anomaly
         self.profiler = profiler
         self.compile = compile
-        self.default_root_dir = os.fspath(default_root_dir or os.getcwd())
+        self.default_root_dir = cfg.root_dir(default_root_dir)
 
         self.loggers = [] if self.fast_dev_run else self._build_loggers(logger)
         self.callbacks = self._build_callbacks(callbacks)
@@ -285,14 +279,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             from engine.loggers import TensorBoardLogger
 
             return [TensorBoardLogger(self.default_root_dir)]
-        loggers = list(logger) if isinstance(logger, (list, tuple)) else [logger]
-        for lg in loggers:
-            if not callable(getattr(lg, "log_metrics", None)):
-                raise ValueError(
-                    f"Trainer(logger=...): {lg!r} has no log_metrics(metrics, step) method; pass "
-                    "an engine.loggers logger (TensorBoardLogger, CSVLogger), a list, or False"
-                )
-        return loggers
+        # checked at construction (_config.check_loggers)
+        return list(logger) if isinstance(logger, (list, tuple)) else [logger]
 
     def _build_callbacks(self, callbacks: Any) -> list[Any]:
         if callbacks is not None and not isinstance(callbacks, (list, tuple)):
