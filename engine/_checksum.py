@@ -26,6 +26,8 @@ import torch
 import xxhash
 from torch import Tensor
 
+from engine.errors import CheckpointError
+
 try:
     import numpy as np
 except ImportError:  # then every written byte is copied for hashing
@@ -195,8 +197,6 @@ def _start_checksum(path: Path, expected: str) -> Callable[[], str]:
     if not sep:
         return _HASHERS.get().submit(_sha256, path).result
     if scheme not in _SCHEMES:
-        from engine.checkpoint import CheckpointError  # only here: checkpoint imports this module
-
         raise CheckpointError(
             f"{path}: unknown checksum scheme {scheme!r} in meta.json; upgrade engine to verify it"
         )

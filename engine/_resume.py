@@ -246,30 +246,46 @@ class CheckpointingMixin:
         self._state = checkpoint.load(path, template)
         self.ckpt_path = str(path)  # ModelCheckpoint never deletes the one a run resumed from
         meta = checkpoint.read_meta(path)
+        try:
+            self._restore_run(meta)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            # meta.json verified, so written like this: by hand, or by another engine
+            raise checkpoint.CheckpointError(
+                f"{path / checkpoint.META}: the run's state in 'extra' cannot be restored "
+                f"({type(e).__name__}: {e}); was the file edited, or written by another engine?"
+            ) from e
+        self._emit(Event.ON_LOAD_CHECKPOINT, checkpoint_path=str(path))
+
+    def _restore_run(self, meta: dict[str, Any]) -> None:
+        """The loop's and the listeners' state, from a checkpoint's verified ``meta``."""
         saved = meta.get("extra", {}).get("listeners", {})
         for key, listener in self._keyed_listeners():
             if key in saved and callable(getattr(listener, "load_state_dict", None)):
                 listener.load_state_dict(saved[key])
         extra = meta.get("extra", {})
-        self._total_batch_idx = extra.get("trainer", {}).get("total_batch_idx", 0)
         saved_loop = extra.get("trainer", {})
+        total = saved_loop.get("total_batch_idx", 0)
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise TypeError(f"trainer.total_batch_idx must be an int >= 0, got {total!r}")
+        self._total_batch_idx = total
         if self.stage == "fit":  # the run continues: what its listeners had seen, they see
             for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
                 if name in saved_loop:
                     setattr(self, name, {k: float(v) for k, v in saved_loop[name].items()})
             self._metrics_version += 1
             self.should_stop = bool(saved_loop.get("should_stop", False))
-        data_state = extra.get("trainer", {}).get("data_state")
+        data_state = saved_loop.get("data_state")
         self._resume_data_state = None if data_state is None else data.state_from_json(data_state)
-        phase = extra.get("trainer", {}).get("phase")
+        phase = saved_loop.get("phase")
         phases = ("batch_end", "validation", "validated", "epoch_end")
+        if phase not in (None, "between", *phases):
+            raise ValueError(f"trainer.phase {phase!r} is none of the loop's phases")
         self._resume_phase = phase if phase in phases else None
         event = saved_loop.get("event")
         self._resume_event = (Event(event[0]), list(event[1])) if event else None
         if extra.get("train_metrics") and self.task is not None:
             self._restored_reducer = MetricReducer(self.task.reduce)
             self._restored_reducer.load_state_dict(extra["train_metrics"])
-        self._emit(Event.ON_LOAD_CHECKPOINT, checkpoint_path=str(path))
 
     @contextlib.contextmanager
     def _catch_signals(self) -> Iterator[None]:

@@ -81,12 +81,14 @@ def from_json(doc: Any, tensors: Mapping[str, Tensor] | None = None) -> Any:
     if not isinstance(doc, dict):
         return doc
     if "$tensor" in doc:
-        if tensors is None:
-            raise ValueError(f"{doc['$tensor']}: a tensor stored apart, and no tensors given")
+        if tensors is None or doc["$tensor"] not in tensors:
+            raise ValueError(f"{doc['$tensor']!r}: no such tensor was stored")
         return tensors[doc["$tensor"]]
     if "$data" in doc:
-        raw = bytearray(base64.b64decode(doc["$data"]))
-        dtype = getattr(torch, doc["dtype"])
+        raw = bytearray(base64.b64decode(doc["$data"], validate=True))
+        dtype = getattr(torch, str(doc.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{doc.get('dtype')!r} is not a torch dtype")
         flat = (
             torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         )

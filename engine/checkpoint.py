@@ -22,7 +22,6 @@ versions 1 (one SHA-256 of the whole file) and 2 (SHA-256 over the same chunks) 
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 import shutil
@@ -47,7 +46,7 @@ try:
 except ImportError:  # not POSIX: leftovers cannot be told from saves in progress
     fcntl = None  # type: ignore[assignment]
 
-from engine import _tree
+from engine import _meta, _tree
 from engine._checksum import (
     _SCHEMES,
     _WRITER,
@@ -57,7 +56,9 @@ from engine._checksum import (
     _NoZipCrc,
     _start_checksum,
 )
+from engine._meta import FORMAT_VERSION
 from engine._snapshot import _SNAPSHOTS, _host_empty, _Snapshot
+from engine.errors import CheckpointError
 from engine.optim.base import load_state_dict as load_opt_state
 from engine.optim.base import state_dict as opt_state_dict
 from engine.state import TrainState
@@ -70,20 +71,17 @@ __all__ = [
     "load",
     "read_meta",
     "release_buffers",
+    "remove",
     "save",
     "save_async",
     "wait",
 ]
 
-FORMAT_VERSION = 3
 META, TENSORS = "meta.json", "tensors.pt"
 _TMP_PREFIX = ".tmp-ckpt-"
 _ASIDE = "old-"  # _TMP_PREFIX + _ASIDE + id: where a checkpoint being replaced is moved aside
 _LOCK = "lock-"  # _TMP_PREFIX + _LOCK + id: the lock a save holds while it writes (_Claim)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, damaged, of another format, or does not fit the state."""
+_DOOMED = "del-"  # _TMP_PREFIX + _DOOMED + id: a checkpoint being deleted (remove)
 
 
 # --------------------------------------------------------------------------- saving
@@ -132,7 +130,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _meta(
+def _describe(
     state: TrainState,
     scalars: Mapping[str, Any],
     metrics: Mapping[str, float] | None,
@@ -178,8 +176,8 @@ def _write(tensors: Mapping[str, Tensor], meta: Mapping[str, Any], target: Path)
                 raw.flush()
                 os.fsync(raw.fileno())  # the last chunks hash meanwhile
                 checksum = f.checksum()
-            with open(tmp / META, "w") as out:
-                json.dump({**meta, "files": {TENSORS: checksum}}, out, indent=2, sort_keys=True)
+            with open(tmp / META, "wb") as out:  # with its own checksum (engine/_meta.py)
+                out.write(_meta.encode({**meta, "files": {TENSORS: checksum}}))
                 out.flush()
                 os.fsync(out.fileno())
             _fsync_dir(tmp)
@@ -289,7 +287,7 @@ def save(
     """
     state.check_alive("checkpoint.save()")
     tensors, scalars = _flatten(state, weights_only)
-    meta = _meta(state, scalars, metrics, extra, fingerprint, weights_only)
+    meta = _describe(state, scalars, metrics, extra, fingerprint, weights_only)
     return _write(tensors, meta, Path(path))
 
 
@@ -359,7 +357,7 @@ def save_async(
     state.check_alive("checkpoint.save_async()")
     tensors, scalars = _flatten(state, weights_only)
     try:
-        meta = _meta(state, scalars, metrics, extra, False, weights_only)
+        meta = _describe(state, scalars, metrics, extra, False, weights_only)
     except CheckpointError as e:
         failed: Future[Path] = Future()
         failed.set_exception(e)
@@ -397,12 +395,49 @@ def release_buffers() -> None:
     _SNAPSHOTS.release()
 
 
+def remove(path: str | os.PathLike[str]) -> None:
+    """Delete the checkpoint (or file) at ``path`` as safely as :func:`save` writes one.
+
+    The checkpoint is first renamed to a hidden name beside it (``.tmp-ckpt-del-<id>``) and the
+    rename made durable, then deleted: a crash at any instant leaves either the whole checkpoint
+    under its name or nothing there, never a directory with some of its files (which would be
+    refused when loaded and outrank valid checkpoints by its step). What a crash left under the
+    hidden name, :func:`clean_leftovers` deletes. A missing ``path`` is not an error.
+
+    Example:
+        >>> import tempfile, torch
+        >>> import engine as eg
+        >>> from engine import checkpoint, optim
+        >>> state = eg.TrainState.create(torch.nn.Linear(3, 2), optim.sgd(0.1))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = checkpoint.save(state, f"{d}/c")
+        ...     checkpoint.remove(path)
+        ...     sorted(os.listdir(d))
+        []
+    """
+    target = Path(path)
+    if target.is_symlink() or (os.path.lexists(target) and not target.is_dir()):
+        target.unlink(missing_ok=True)
+        return
+    if not target.exists():
+        return
+    with _Claim(target.parent) as claim:
+        doomed = claim.path(_DOOMED)
+        try:
+            os.replace(target, doomed)
+        except FileNotFoundError:  # removed meanwhile
+            return
+        _fsync_dir(target.parent)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
 def clean_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
     """Remove what interrupted saves left in ``directory``; returns the paths removed.
 
     A save writes into a hidden temporary directory beside its target and renames it into place;
-    replacing a checkpoint first moves the old one aside. A process that died meanwhile leaves
-    these behind. Those of saves still in progress (in this process or another: each holds a
+    replacing a checkpoint first moves the old one aside, and :func:`remove` renames a
+    checkpoint to a hidden name before deleting it. A process that died meanwhile leaves these
+    behind. Those of saves still in progress (in this process or another: each holds a
     lock on a file of its own until it ends) are left alone. When a crash came between the two
     renames of a replacement, the name is free and both checkpoints are there: the new one,
     complete, takes the name if it verifies, else the old one is put back.
@@ -415,7 +450,7 @@ def clean_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
     for p in sorted(root.iterdir()):
         if p.name.startswith(_TMP_PREFIX):
             name = p.name[len(_TMP_PREFIX) :]
-            kind = next((k for k in (_LOCK, _ASIDE) if name.startswith(k)), "")
+            kind = next((k for k in (_LOCK, _ASIDE, _DOOMED) if name.startswith(k)), "")
             saves.setdefault(name[len(kind) :], {})[kind] = p
     for id_, parts in saves.items():
         if _held(root / f"{_TMP_PREFIX}{_LOCK}{id_}"):
@@ -423,7 +458,7 @@ def clean_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
         aside, new = parts.get(_ASIDE), parts.get("")
         for kept in list(aside.iterdir()) if aside is not None and aside.is_dir() else []:
             target = root / kept.name
-            if kept.name == "ckpt" or os.path.lexists(target):  # ("ckpt": names not kept yet)
+            if os.path.lexists(target):  # the replacement took the name before the crash
                 continue
             if new is not None and _complete_checkpoint(new):
                 os.replace(new, target)  # the replacement was written in full: it wins
@@ -470,33 +505,20 @@ def _held(lock: Path) -> bool:
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checkpoint's ``meta.json``, validated for format and version."""
+    """The checkpoint's ``meta.json``, verified: format, version, the type of every key and
+    (from format version 4) the file's own checksum.
+
+    Raises:
+        CheckpointError: naming the file, and the key and the type expected where one is wrong.
+    """
     meta_path = Path(path) / META
-    if not meta_path.is_file():
-        raise CheckpointError(f"{path} is not a checkpoint: {META} is missing")
     try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{meta_path}: not valid JSON ({e}); the file is damaged") from e
-    if meta.get("format") != "engine.checkpoint":
-        raise CheckpointError(f"{meta_path}: not an engine checkpoint")
-    version = meta.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{meta_path}: format version {version!r} is newer than this engine reads "
-            f"({FORMAT_VERSION}); upgrade engine"
-        )
-    return _decode(meta)
-
-
-def _decode(x: Any) -> Any:
-    if isinstance(x, dict):
-        if set(x) == {"$float"}:
-            return float(x["$float"])
-        return {k: _decode(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_decode(v) for v in x]
-    return x
+        raw = meta_path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a checkpoint: {META} is missing") from None
+    except OSError as e:  # a directory in its place, no permission, an I/O error
+        raise CheckpointError(f"{meta_path}: cannot be read ({e})") from e
+    return _meta.decode(raw, meta_path)
 
 
 def _materialize(
@@ -645,8 +667,10 @@ def load(path: str | os.PathLike[str], template: TrainState) -> TrainState:
         restored = {
             name: _tree.from_json(trees[name], in_trees) for name in _TREES if name in trees
         }
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"{root}: extra / precision state refers to a missing {e}") from e
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:  # a damaged tree
+        raise CheckpointError(
+            f"{root / META}: 'trees' (the state's extra and precision) cannot be rebuilt: {e}"
+        ) from e
     _check_fit(root, "params", template.params, groups["params"])
     _check_fit(root, "buffers", template.buffers, groups["buffers"])
     params = {

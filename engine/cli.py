@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from engine import checkpoint
 
@@ -16,7 +17,8 @@ def _inspect(args: argparse.Namespace) -> int:
         info = checkpoint.inspect(args.path)
     except checkpoint.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        # 1: a checkpoint that fails verification (its meta.json too); 2: not a checkpoint
+        return 1 if (Path(args.path) / checkpoint.META).is_file() else 2
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
     else:
@@ -91,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         help="re-execute steps of a journaled run and check them bitwise against its journal",
         description=(
             "Load the newest checkpoint taken before step FROM, re-execute the steps up to TO "
-            "and compare losses, learning rates and state fingerprints with the journal. Exit "
-            "status 0: bitwise identical; 1: a divergence or an anomaly; 2: an error."
+            "and compare each step's loss, and the learning rates and state fingerprints, with "
+            "the journal; a divergence is named by its step (or, for a journal without "
+            "per-step losses, the interval of steps it lies in). Exit status 0: bitwise "
+            "identical; 1: a divergence or an anomaly; 2: an error."
         ),
     )
     p.add_argument("run_dir", help="a run directory (it holds journal.jsonl)")

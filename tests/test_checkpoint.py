@@ -134,7 +134,7 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_nothing_runs(tmp_path
     (path / "tensors.pt").write_bytes(buf.getvalue())
     meta = json.loads((path / "meta.json").read_text())
     meta["files"]["tensors.pt"] = _chunked((path / "tensors.pt").read_bytes())  # a forger would
-    (path / "meta.json").write_text(json.dumps(meta))
+    _forge_meta(path, meta)
     with pytest.raises(CheckpointError, match="refused by the safe loader"):
         checkpoint.load(path, _template())
     assert not marker.exists()
@@ -321,6 +321,17 @@ def _big_state() -> eg.TrainState:  # 12.6 MB of tensors: two 8 MiB chunks
     return eg.TrainState.create(nn.Linear(1024, 1024), optim.adamw(1e-3), seed=1)
 
 
+def _forge_meta(path: Path, meta: dict) -> None:
+    """Rewrite ``meta.json`` with ``meta`` and a matching checksum, as a forger would: the
+    checksum computed here from docs/checkpoints.md's definition, not by the engine."""
+    meta = {k: v for k, v in meta.items() if k != "meta_checksum"}
+    head = json.dumps(meta, indent=2, sort_keys=True)[: -len("\n}")].encode()
+    digest = xxhash.xxh3_128(head).hexdigest()
+    (path / "meta.json").write_bytes(
+        head + f',\n  "meta_checksum": "xxh3-128:{digest}"\n}}\n'.encode()
+    )
+
+
 def _chunked(data: bytes, chunk: int = 8 << 20, hash: str = "xxh3-128") -> str:
     """The checksum as docs/checkpoints.md defines it, computed here from that definition."""
     new = xxhash.xxh3_128 if hash == "xxh3-128" else hashlib.sha256
@@ -333,7 +344,7 @@ def test_the_checksum_is_the_xxh3_128_of_the_xxh3_128s_of_8_mib_chunks(tmp_path)
     data = (path / "tensors.pt").read_bytes()
     assert len(data) > 8 << 20
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["format_version"] == 3
+    assert meta["format_version"] == 4
     assert meta["files"] == {"tensors.pt": _chunked(data)}
     # a plain torch file, CRC-32s aside: torch.load reads it without the engine
     plain = torch.load(path / "tensors.pt", weights_only=True)
@@ -412,8 +423,8 @@ def test_an_unknown_or_missing_checksum_is_refused(tmp_path, checksum):
         del meta["files"]["tensors.pt"]
     else:
         meta["files"]["tensors.pt"] = checksum
-    (path / "meta.json").write_text(json.dumps(meta))
-    match = "unknown checksum scheme 'md5'" if checksum == "md5:0123" else "no valid checksum"
+    _forge_meta(path, meta)
+    match = "unknown checksum scheme 'md5'" if checksum == "md5:0123" else "'files.*must be"
     with pytest.raises(CheckpointError, match=match):
         checkpoint.load(path, _template())
 

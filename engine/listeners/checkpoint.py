@@ -43,7 +43,6 @@ import math
 import operator
 import os
 import re
-import shutil
 import time
 import warnings
 from collections.abc import Mapping
@@ -674,7 +673,4 @@ def _opt_float(value: Any) -> float | None:
 
 
 def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.remove(path)
+    checkpoint.remove(path)  # renamed aside first: a crash never leaves half a checkpoint

@@ -229,8 +229,21 @@ def load_state_dict(template: OptState, sd: Mapping[str, Any]) -> OptState:
                     f"optimizer state {key!r}: expected {tuple(ref.shape)} {ref.dtype}, got {got}"
                 )
             value = value.to(ref.device)
+        elif isinstance(value, Tensor) or (
+            ref is not None and type(value) is not type(ref) and not _numbers(value, ref)
+        ):
+            raise ValueError(
+                f"optimizer state {key!r}: expected a {type(ref).__name__} like the optimizer's "
+                f"{ref!r}, got {value!r} ({type(value).__name__})"
+            )
         out.append(value)
     return pytree.tree_unflatten(out, spec)
+
+
+def _numbers(value: Any, ref: Any) -> bool:
+    """Whether ``value`` may stand for the scalar leaf ``ref``: an int for a float (JSON writes
+    ``1.0`` back as ``1.0``, but a hand-made state dict may hold ``1``), never a bool."""
+    return type(ref) is float and type(value) is int
 
 
 def tree_tensors(tree: Any) -> list[Tensor]:

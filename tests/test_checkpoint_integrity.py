@@ -1,0 +1,251 @@
+"""Every byte of a checkpoint that steers a resume is verified, and every malformed value is
+refused where it enters, with an error that names the file, the key and what was expected."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import xxhash
+from torch import nn
+
+import engine as eg
+from engine import checkpoint, optim
+from engine.checkpoint import CheckpointError
+
+
+def _state() -> eg.TrainState:
+    torch.manual_seed(0)
+    tx = optim.adamw(1e-2)
+    state = eg.TrainState.create(nn.Linear(3, 2), tx, seed=11)
+    step = eg.train_step(lambda m, b: F.mse_loss(m(b[0]), b[1]), tx, accumulate=2)
+    for _ in range(3):  # one step and a half: grad_accum, counters and Adam's state all set
+        state, _ = step(state, (torch.randn(4, 3), torch.randn(4, 2)))
+    return state.replace(extra={"ema": {"w": torch.ones(2)}, "n": 3, "name": "x"})
+
+
+def _template() -> eg.TrainState:
+    return eg.TrainState.create(nn.Linear(3, 2), optim.adamw(1e-2)).replace(
+        extra={"ema": {"w": torch.zeros(2)}, "n": 0, "name": ""}
+    )
+
+
+def _saved(tmp_path: Path) -> Path:
+    return checkpoint.save(
+        _state(),
+        tmp_path / "c",
+        metrics={"val/loss": 0.25, "inf": float("inf")},
+        extra={"listeners": {"EarlyStopping": {"wait_count": 2, "best_score": 0.5}}},
+        fingerprint=True,
+    )
+
+
+def _forge(path: Path, meta: dict) -> None:
+    """Rewrite meta.json with ``meta`` and a checksum that matches it, as docs/checkpoints.md
+    defines it (computed here, not by the engine): what a forger, not damage, would do."""
+    meta = {k: v for k, v in meta.items() if k != "meta_checksum"}
+    head = json.dumps(meta, indent=2, sort_keys=True)[: -len("\n}")].encode()
+    tail = f',\n  "meta_checksum": "xxh3-128:{xxhash.xxh3_128(head).hexdigest()}"\n}}\n'
+    (path / "meta.json").write_bytes(head + tail.encode())
+
+
+def test_meta_json_carries_the_xxh3_128_of_its_own_bytes(tmp_path):
+    raw = (_saved(tmp_path) / "meta.json").read_bytes()
+    meta = json.loads(raw)
+    head, sep, rest = raw.rpartition(b',\n  "meta_checksum": "')
+    assert sep and rest == meta["meta_checksum"].encode() + b'"\n}\n'
+    assert meta["meta_checksum"] == "xxh3-128:" + xxhash.xxh3_128(head).hexdigest()
+    assert meta["format_version"] == checkpoint.FORMAT_VERSION == 4
+
+
+@pytest.mark.parametrize("bit", [0, 3, 5, 7])
+def test_a_flipped_bit_anywhere_in_meta_json_is_refused(tmp_path, bit):
+    path = _saved(tmp_path)
+    good = (path / "meta.json").read_bytes()
+    template = _template()
+    assert checkpoint.load(path, template).seed == 11
+    for at in range(len(good)):
+        bad = bytearray(good)
+        bad[at] ^= 1 << bit
+        (path / "meta.json").write_bytes(bytes(bad))
+        with pytest.raises(CheckpointError, match=r"meta\.json"):
+            checkpoint.load(path, template)
+        with pytest.raises(CheckpointError, match=r"meta\.json"):
+            checkpoint.read_meta(path)  # what inspect, resume and replay read
+
+
+def test_a_flipped_bit_anywhere_in_tensors_pt_is_refused(tmp_path):
+    # every byte: zip headers, the pickle, each tensor's storage, the central directory
+    path = _saved(tmp_path)
+    f = path / "tensors.pt"
+    good = f.read_bytes()
+    template = _template()
+    for at in range(0, len(good), 3 if len(good) > 6000 else 1):
+        bad = bytearray(good)
+        bad[at] ^= 1 << (at % 8)
+        f.write_bytes(bytes(bad))
+        with pytest.raises(CheckpointError, match=r"tensors\.pt"):
+            checkpoint.load(path, template)
+    f.write_bytes(good)
+    assert checkpoint.load(path, template).fingerprint() == _state().fingerprint()
+
+
+def test_engine_inspect_reports_a_damaged_meta_json_and_exits_1(tmp_path):
+    path = _saved(tmp_path)
+    raw = bytearray((path / "meta.json").read_bytes())
+    at = raw.index(b'"seed": 11') + len(b'"seed": ')
+    raw[at] ^= 0x08  # 11 -> 91 ("1" is 0x31, "9" 0x39): valid JSON, another seed
+    (path / "meta.json").write_bytes(bytes(raw))
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "inspect", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert "checksum check failed" in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_a_resume_from_a_checkpoint_whose_seed_was_flipped_is_refused(tmp_path):
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(3)]
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = eg.Trainer(max_epochs=1, default_root_dir=tmp_path, **quiet)
+    trainer.fit(task, task.init(nn.Linear(3, 1), seed=0), data)
+    path = trainer.save_checkpoint(tmp_path / "c")
+    raw = bytearray((path / "meta.json").read_bytes())
+    at = raw.index(b'"seed": 0') + len(b'"seed": ')
+    raw[at] ^= 0x08  # 0 -> 8, the flip the issue found loading silently
+    (path / "meta.json").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum check failed"):
+        eg.Trainer(max_epochs=2, **quiet).fit(
+            task, task.init(nn.Linear(3, 1)), data, ckpt_path=path
+        )
+
+
+# --------------------------------------------------------------------------- schema
+
+BAD_VALUES = [
+    ("step", "5", "an int >= 0"),
+    ("step", -1, "an int >= 0"),
+    ("step", 5.0, "an int >= 0"),
+    ("step", True, "an int >= 0"),
+    ("epoch", None, "an int >= 0"),
+    ("batch_idx", [1], "an int >= 0"),
+    ("micro_step", "0", "an int >= 0"),
+    ("seed", 1.5, r"an int in \[0, 2\*\*63\)"),
+    ("seed", 2**63, r"an int in \[0, 2\*\*63\)"),
+    ("seed", -3, r"an int in \[0, 2\*\*63\)"),
+    ("num_params", "26", "an int >= 0"),
+    ("fingerprint", 7, "a string or null"),
+    ("has_grad_accum", "yes", "true or false"),
+    ("has_grad_accum", 1, "true or false"),
+    ("weights_only", 0, "true or false"),
+    ("trees", [], "an object"),
+    ("trees", {"extra": {}, "other": 1}, "an object"),
+    ("opt_state_scalars", {"count": [1]}, "an object of numbers"),
+    ("metrics", {"val/loss": "low"}, "an object of numbers"),
+    ("metrics", [0.5], "an object of numbers"),
+    ("extra", "listeners", "an object"),
+    ("files", {"tensors.pt": 5}, "an object of checksum strings"),
+    ("files", {}, "an object of checksum strings"),
+    ("engine_version", 1, "a string"),
+    ("torch_version", None, "a string"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "expected"), BAD_VALUES)
+def test_a_value_of_the_wrong_type_is_refused_naming_the_key(tmp_path, key, value, expected):
+    path = _saved(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    meta[key] = value
+    _forge(path, meta)
+    with pytest.raises(CheckpointError, match=rf"meta\.json: '{key}[^']*' must be {expected}"):
+        checkpoint.load(path, _template())
+    with pytest.raises(CheckpointError, match=key):
+        checkpoint.inspect(path)
+
+
+@pytest.mark.parametrize(
+    "key", ["step", "epoch", "batch_idx", "micro_step", "seed", "files", "meta_checksum"]
+)
+def test_a_missing_key_is_named(tmp_path, key):
+    path = _saved(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    del meta[key]
+    (path / "meta.json").write_text(json.dumps(meta))  # no checksum either: the key comes first
+    with pytest.raises(CheckpointError, match=rf"meta\.json: '{key}' is missing"):
+        checkpoint.load(path, _template())
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[1, 2]", "holds a JSON list, not an object"),
+        ('"step"', "holds a JSON str, not an object"),
+        ("", "not valid JSON"),
+        ("\xff\xfe", "not valid JSON"),
+        ('{"format": "other"}', "not an engine checkpoint"),
+        ('{"format": "engine.checkpoint", "format_version": "3"}', r"an int >= 1 \(got '3'\)"),
+        ('{"format": "engine.checkpoint", "format_version": 3.0}', r"an int >= 1 \(got 3\.0\)"),
+        ('{"format": "engine.checkpoint", "format_version": 0}', r"an int >= 1 \(got 0\)"),
+        ('{"format": "engine.checkpoint", "format_version": 99}', "newer than this engine"),
+    ],
+)
+def test_malformed_metadata_is_a_checkpoint_error_in_load_and_in_the_cli(tmp_path, text, message):
+    path = _saved(tmp_path)
+    (path / "meta.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint.load(path, _template())
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "inspect", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_unknown_dtype_in_a_stored_tree_is_named(tmp_path):
+    path = _saved(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["trees"]["extra"]["ema"]["w"] = {"$data": "AACAPw==", "dtype": "float33", "shape": [1]}
+    _forge(path, meta)
+    with pytest.raises(CheckpointError, match="'float33' is not a torch dtype"):
+        checkpoint.load(path, _template())
+    meta["trees"]["extra"]["ema"]["w"] = {"$tensor": "extra/nowhere"}
+    _forge(path, meta)
+    with pytest.raises(CheckpointError, match="'extra/nowhere': no such tensor"):
+        checkpoint.load(path, _template())
+
+
+def test_an_optimizer_scalar_of_another_type_is_refused(tmp_path):
+    tx = optim.from_torch(torch.optim.SGD, lr=0.1)  # holds plain-number leaves
+    state = eg.TrainState.create(nn.Linear(3, 2), tx)
+    path = checkpoint.save(state, tmp_path / "c")
+    meta = json.loads((path / "meta.json").read_text())
+    if not meta["opt_state_scalars"]:
+        pytest.skip("this optimizer state has no scalar leaves")
+    key = next(iter(meta["opt_state_scalars"]))
+    meta["opt_state_scalars"][key] = "fast"
+    _forge(path, meta)
+    with pytest.raises(CheckpointError, match="optimizer state"):
+        checkpoint.load(path, eg.TrainState.create(nn.Linear(3, 2), tx))
+
+
+def test_a_forged_run_state_in_extra_is_refused_at_resume(tmp_path):
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(3)]
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = eg.Trainer(max_epochs=1, default_root_dir=tmp_path, **quiet)
+    trainer.fit(task, task.init(nn.Linear(3, 1), seed=0), data)
+    path = trainer.save_checkpoint(tmp_path / "c")
+    good = json.loads((path / "meta.json").read_text())
+    for where, value in [("total_batch_idx", "3"), ("phase", "somewhere"), ("event", 5)]:
+        meta = json.loads(json.dumps(good))
+        meta["extra"]["trainer"][where] = value
+        _forge(path, meta)
+        with pytest.raises(CheckpointError, match=r"meta\.json: the run's state in 'extra'"):
+            eg.Trainer(max_epochs=2, **quiet).fit(
+                task, task.init(nn.Linear(3, 1)), data, ckpt_path=path
+            )

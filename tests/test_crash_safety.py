@@ -1,0 +1,231 @@
+"""Checkpoints under a crashing machine: a process killed at any instant of a save, a
+replacement or a deletion loses no completed checkpoint, leaves nothing damaged under a
+checkpoint's name, and leaves only what ``clean_leftovers`` removes.
+
+Two kinds of kill: deterministic ones, at every line the save executes in engine's checkpoint
+code and in ``shutil`` (a forked child ends itself with ``os._exit`` there, as SIGKILL would:
+no cleanup, no ``finally``), and SIGKILLs at random instants of a real fit with a top-k
+``ModelCheckpoint``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import engine as eg
+from engine import _meta, checkpoint, optim
+
+KILLED = 77
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+
+
+def _state(scale: float) -> eg.TrainState:
+    torch.manual_seed(0)
+    state = eg.TrainState.create(nn.Linear(4, 3), optim.adam(1e-2), seed=3)
+    return state.replace(params={k: v * scale for k, v in state.params.items()})
+
+
+OLD, NEW = _state(1.0), _state(2.0)
+PRINTS = {OLD.fingerprint(): "old", NEW.fingerprint(): "new"}
+TRACED = {checkpoint.__file__, _meta.__file__, shutil.__file__}
+
+
+def _run_killed_at(line: int, operation: Callable[[], object]) -> bool:
+    """Run ``operation`` in a forked child that dies (``os._exit``) when it reaches the
+    ``line``-th line executed in :data:`TRACED`, on any thread; returns whether it died there
+    (``False``: the operation finished first)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        count = 0
+        lock = threading.Lock()
+
+        def tracer(frame, event, arg):
+            nonlocal count
+            if frame.f_code.co_filename not in TRACED:
+                return None
+            if event == "line":
+                with lock:
+                    count += 1
+                    if count == line:
+                        os._exit(KILLED)
+            return tracer
+
+        threading.settrace(tracer)
+        sys.settrace(tracer)
+        try:
+            operation()
+            checkpoint.wait()
+        except BaseException:
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    assert code in (0, KILLED), f"the operation failed in the child (exit status {code})"
+    return code == KILLED
+
+
+def _visible(root: Path) -> dict[str, str]:
+    """What is under a checkpoint's name in ``root``: every one must verify."""
+    found = {}
+    for p in sorted(root.iterdir()):
+        if p.name.startswith(checkpoint._TMP_PREFIX):
+            continue
+        info = checkpoint.inspect(p)
+        assert info["verified"], f"{p.name} is visible and damaged: {info['problem']}"
+        found[p.name] = PRINTS[checkpoint.load(p, _state(0.0)).fingerprint()]
+    return found
+
+
+def _every_crash(
+    root: Path,
+    prepare: Callable[[Path], object],
+    operation: Callable[[Path], object],
+    allowed: list[dict[str, str]],
+) -> tuple[int, set[tuple[tuple[str, str], ...]]]:
+    """In a directory made by ``prepare``, kill ``operation`` at each of its lines in turn
+    (a fresh directory each time); after each kill what is visible must verify, and after
+    ``clean_leftovers`` the directory must hold one of ``allowed`` exactly. Returns the number
+    of lines and the outcomes seen."""
+    seen = set()
+    line = 1
+    while True:
+        setup = root / f"run{line}"
+        setup.mkdir()
+        prepare(setup)
+        died = _run_killed_at(line, lambda s=setup: operation(s))
+        _visible(setup)  # before any cleaning: nothing damaged under a real name
+        checkpoint.clean_leftovers(setup)
+        after = _visible(setup)
+        assert sorted(p.name for p in setup.iterdir()) == sorted(after), "leftovers remain"
+        assert after in allowed, f"killed at line {line}: {after}"
+        seen.add(tuple(sorted(after.items())))
+        shutil.rmtree(setup)
+        if not died:
+            return line, seen
+        line += 1
+
+
+@pytest.mark.parametrize("name", ["ckpt", "last", "step=3"])
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_a_replacement_killed_at_any_line_keeps_the_old_or_the_new_checkpoint(tmp_path, name, how):
+    save = checkpoint.save if how == "sync" else checkpoint.save_async
+    lines, seen = _every_crash(
+        tmp_path,
+        lambda d: checkpoint.save(OLD, d / name),
+        lambda d: save(NEW, d / name),
+        [{name: "old"}, {name: "new"}],
+    )
+    assert lines > 20 and seen == {((name, "old"),), ((name, "new"),)}  # both outcomes happened
+
+
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_a_new_save_killed_at_any_line_leaves_it_whole_or_absent_and_the_others_intact(
+    tmp_path, how
+):
+    save = checkpoint.save if how == "sync" else checkpoint.save_async
+    _, seen = _every_crash(
+        tmp_path,
+        lambda d: checkpoint.save(OLD, d / "other"),
+        lambda d: save(NEW, d / "c"),
+        [{"other": "old"}, {"other": "old", "c": "new"}],
+    )
+    assert len(seen) == 2
+
+
+def test_a_deletion_killed_at_any_line_leaves_the_whole_checkpoint_or_nothing(tmp_path):
+    lines, seen = _every_crash(
+        tmp_path,
+        lambda d: (checkpoint.save(OLD, d / "doomed"), checkpoint.save(NEW, d / "kept")),
+        lambda d: checkpoint.remove(d / "doomed"),
+        [{"doomed": "old", "kept": "new"}, {"kept": "new"}],
+    )
+    assert lines > 10 and len(seen) == 2  # killed inside the recursive delete too
+
+
+def test_remove_takes_files_links_and_missing_paths(tmp_path):
+    target = checkpoint.save(OLD, tmp_path / "c")
+    (tmp_path / "link").symlink_to(target)
+    checkpoint.remove(tmp_path / "link")  # the link, not what it points to
+    assert checkpoint.inspect(target)["verified"]
+    (tmp_path / "file").write_text("x")
+    checkpoint.remove(tmp_path / "file")
+    checkpoint.remove(tmp_path / "missing")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+# --------------------------------------------------------------------------- random SIGKILLs
+
+_FIT = textwrap.dedent("""
+    import sys, torch, torch.nn.functional as F
+    import engine as eg
+    from engine import optim
+
+    root, asynchronous = sys.argv[1], sys.argv[2] == "async"
+
+    class Report(eg.Listener):
+        # after each checkpoint the fit saved and finished writing: its name and the step
+        def on_save_checkpoint(self, rec):
+            def landed(f, path=rec.checkpoint_path, step=rec.state.step):
+                if f is None or f.exception() is None:
+                    print(f"landed {path} {step}", flush=True)
+            if rec.checkpoint_future is None:
+                landed(None)
+            else:
+                rec.checkpoint_future.add_done_callback(landed)
+
+    torch.manual_seed(0)
+    data = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(4)]
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.adam(1e-2))
+    saver = eg.ModelCheckpoint(dirpath=root, monitor="train/loss", save_top_k=2, save_last=True,
+                               every_n_train_steps=1, asynchronous=asynchronous)
+    print("ready", flush=True)
+    eg.Trainer(max_epochs=10**6, logger=False, enable_progress_bar=False,
+               enable_model_summary=False, enable_journal=False,
+               callbacks=[saver, Report()]).fit(task, task.init(torch.nn.Linear(8, 1)), data)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_sigkill_at_random_instants_of_a_top_k_fit_loses_nothing_completed(tmp_path, how):
+    rng = random.Random(0)
+    for run in range(4):
+        root = tmp_path / f"run{run}"
+        child = subprocess.Popen(
+            [sys.executable, "-c", _FIT, str(root), how],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.3, 1.5))
+        child.send_signal(signal.SIGKILL)
+        out, _ = child.communicate()
+        landed = [line.split() for line in out.splitlines() if line.startswith("landed")]
+        assert landed, "the child saved nothing before it was killed; kill later"
+        for p in root.iterdir():  # before cleaning: what is under a name verifies
+            if not p.name.startswith(checkpoint._TMP_PREFIX):
+                assert checkpoint.inspect(p)["verified"], p
+        checkpoint.clean_leftovers(root)
+        on_disk = {p.name: checkpoint.inspect(p) for p in root.iterdir()}
+        assert all(info["verified"] for info in on_disk.values())
+        assert not any(n.startswith(checkpoint._TMP_PREFIX) for n in on_disk)
+        # "last" holds the newest landed step or a later one; top-2 kept two (or one, if a new
+        # best was being saved in place of one) of the landed
+        last_step = max(int(step) for _, _, step in landed)
+        assert on_disk["last"]["step"] >= last_step
+        assert 2 <= len(on_disk) <= 4
