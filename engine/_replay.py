@@ -4,8 +4,15 @@ A fit leaves a run directory (see :class:`engine.listeners.Journal`): the journa
 learning rate and state fingerprints at known steps), checkpoints, and the task, the model's
 structure and the data pickled with cloudpickle. :func:`replay` loads the newest checkpoint taken
 before step ``from_step``, runs the optimizer steps up to ``to_step`` again, and compares every
-journaled value on the way. Steps are numbered as in the journal: the line ``"step": n`` is
-written after the ``n``-th optimizer step, so replaying ``from_step=n`` re-executes that step.
+journaled value on the way: the loss of every step (a journal line's ``losses``), and the loss,
+learning rate and fingerprint at the steps of the lines. Steps are numbered as in the journal:
+the line ``"step": n`` is written after the ``n``-th optimizer step, so replaying
+``from_step=n`` re-executes that step.
+
+A journal that holds every step's loss pins a divergence to its step. One without (written by an
+engine before ``losses``) pins it to an interval: the first differing value was seen at a line's
+step, and the steps since the last value that matched hold no journaled value
+(:attr:`ReplayReport.diverged_after`).
 
 The typical use is a loss that turned NaN: the journal shows roughly where, a replay of that
 stretch names the first step with a non-finite loss, and replaying exactly that step with
@@ -99,12 +106,24 @@ class ReplayReport:
         to_step: the last step asked for.
         steps: optimizer steps re-executed (from ``start_step + 1``).
         compared: journaled values compared (losses, learning rates, fingerprints).
-        divergence: the first difference, or ``None``.
+        divergence: the first difference, or ``None``. Its ``step`` is where the first differing
+            value was seen.
         first_nonfinite_step: the first re-executed step whose loss was NaN or infinite.
         losses: each re-executed step's loss.
         anomaly: with ``detect_anomaly``, the error anomaly detection raised (and the forward
             traceback it printed), else ``None``.
         anomaly_step: the step that raised it.
+        diverged_after: with a divergence, the last step before it at which the differing
+            quantities (loss, learning rate or fingerprint) were journaled and matched, or at
+            which the state's fingerprint matched (the step the replay started from, at the
+            latest): the run first differed in one of the steps ``diverged_after + 1`` ..
+            ``divergence.step``, and the steps in between journaled none of those quantities.
+            It is ``divergence.step - 1`` for a loss when the journal holds every step's loss
+            (losses that match do not show that the state does: a fingerprint that differs is
+            placed after the last one that matched). ``None`` without a divergence, or when the
+            checkpoint the replay starts from differs from its journaled fingerprint.
+        first_divergent_step: the step that first differed when the journal pins it
+            (``divergence.step`` when ``diverged_after`` is the step before), else ``None``.
     """
 
     run_dir: str
@@ -119,6 +138,8 @@ class ReplayReport:
     losses: Mapping[int, float] = attrs.field(factory=dict)
     anomaly: str | None = None
     anomaly_step: int | None = None
+    diverged_after: int | None = None
+    first_divergent_step: int | None = None
 
     @property
     def identical(self) -> bool:
@@ -133,6 +154,14 @@ class ReplayReport:
         )
         if self.anomaly is not None:
             out = f"{head}; anomaly detected at step {self.anomaly_step}:\n{self.anomaly}"
+        elif self.divergence is not None and self.first_divergent_step is None:
+            out = f"{head}; first difference seen at {self.divergence}"
+            if self.diverged_after is not None:
+                out += (
+                    f"\nthe divergence lies in steps ({self.diverged_after}, "
+                    f"{self.divergence.step}]: no value journaled in between to compare (a "
+                    "journal with every step's loss, as engine writes now, names the step)"
+                )
         elif self.divergence is not None:
             out = f"{head}; first divergence at {self.divergence}"
         else:
@@ -147,9 +176,10 @@ class ReplayReport:
 
 
 class _Diverged(Exception):
-    def __init__(self, divergence: Divergence) -> None:
+    def __init__(self, divergence: Divergence, after: int | None) -> None:
         super().__init__(str(divergence))
         self.divergence = divergence
+        self.after = after
 
 
 def _key(step: int, epoch: int, batch_idx: int, micro_step: int) -> tuple[int, int, int, int]:
@@ -174,6 +204,7 @@ class _Checker(Listener):
         detect_anomaly: bool = False,
     ) -> None:
         self.expected = expected
+        self.step_losses = _step_losses(expected, start_line["step"])
         self.start_line = start_line
         self.span = span
         self.detect_anomaly = detect_anomaly
@@ -182,6 +213,9 @@ class _Checker(Listener):
         self.current = 0  # the step being executed
         self.losses: dict[int, float] = {}
         self.first_nonfinite: int | None = None
+        # for each journaled quantity, the last step at which it matched (a state that matches
+        # vouches for all: the replay starts from one)
+        self.matched = dict.fromkeys(("loss", "lr", "fingerprint"), int(start_line["step"]))
 
     def on_train_start(self, rec: EventRecord) -> None:
         state = rec.state
@@ -197,7 +231,8 @@ class _Checker(Listener):
                         state.epoch,
                         state.batch_idx,
                         {"fingerprint": (journaled, actual)},
-                    )
+                    ),
+                    after=None,
                 )
 
     def on_train_batch_start(self, rec: EventRecord) -> None:
@@ -211,6 +246,7 @@ class _Checker(Listener):
         state = rec.state
         assert state is not None
         loss = rec.outputs.get("loss") if isinstance(rec.outputs, Mapping) else None
+        compared: set[str] = set()
         if state.micro_step == 0:
             self.steps += 1
             if loss is not None:
@@ -218,11 +254,22 @@ class _Checker(Listener):
                 self.losses[state.step] = value
                 if self.first_nonfinite is None and not math.isfinite(value):
                     self.first_nonfinite = state.step
+                for journaled in self.step_losses.get(state.step, ()):
+                    self.compared += 1
+                    if not _same(journaled, value):
+                        raise _Diverged(
+                            Divergence(
+                                state.step,
+                                state.epoch,
+                                state.batch_idx,
+                                {"loss": (journaled, value)},
+                            ),
+                            after=self.matched["loss"],
+                        )
+                    compared.add("loss")
         lines = self.expected.get(_key(state.step, state.epoch, state.batch_idx, state.micro_step))
-        if not lines:
-            return
         fingerprint = None
-        for line in lines:
+        for line in lines or ():
             diffs: dict[str, tuple[Any, Any]] = {}
             if "loss" in line and loss is not None:
                 self.compared += 1
@@ -240,7 +287,39 @@ class _Checker(Listener):
                 if line["fingerprint"] != fingerprint:
                     diffs["fingerprint"] = (line["fingerprint"], fingerprint)
             if diffs:
-                raise _Diverged(Divergence(state.step, state.epoch, state.batch_idx, diffs))
+                # each differing quantity first differed after the last step where it matched
+                after = min(self.matched[k] for k in diffs)
+                raise _Diverged(
+                    Divergence(state.step, state.epoch, state.batch_idx, diffs), after=after
+                )
+            compared.update(k for k in ("lr", "fingerprint") if k in line)
+            if "loss" in line and loss is not None:
+                compared.add("loss")
+        if "fingerprint" in compared:  # the state is the journaled one, as at a checkpoint
+            compared.update(self.matched)
+        for k in compared:
+            self.matched[k] = state.step
+
+
+def _step_losses(
+    expected: dict[tuple[int, int, int, int], list[dict[str, Any]]], start_step: int
+) -> dict[int, list[float]]:
+    """Each step's journaled losses (a line's ``losses``: the steps up to the line's), of the
+    steps after ``start_step`` (the checkpoint's)."""
+    out: dict[int, list[float]] = {}
+    for lines in expected.values():
+        for line in lines:
+            losses = line.get("losses")
+            if not isinstance(losses, list):
+                continue  # a line of an engine before per-step losses
+            first = line["step"] - len(losses) + 1
+            for step, value in enumerate(losses, start=first):
+                if step <= start_step:
+                    continue
+                seen = out.setdefault(step, [])
+                if not any(_same(value, v) for v in seen):  # a resumed fit journals it again
+                    seen.append(value)
+    return out
 
 
 def _fingerprint(state: TrainState, journaled: Any) -> str:
@@ -318,7 +397,9 @@ def replay(
 
     Returns:
         A :class:`ReplayReport`; ``report.identical`` says whether everything matched, and
-        ``str(report)`` says what was replayed and the first difference with both values.
+        ``str(report)`` says what was replayed and the first difference with both values:
+        its step, or the interval of steps it lies in when the journal lacks the per-step
+        losses that would pin it (``report.first_divergent_step``, ``report.diverged_after``).
 
     Raises:
         UntrustedCodeError: without ``trust_code=True``.
@@ -426,7 +507,8 @@ def _run_checked(
     detect_anomaly: bool,
 ) -> dict[str, Any]:
     """Resume from ``ckpt`` to ``to_step`` with ``checker`` listening; returns the report's
-    ``divergence``, ``anomaly`` and ``anomaly_step``."""
+    ``divergence`` (with ``diverged_after`` and ``first_divergent_step``), ``anomaly`` and
+    ``anomaly_step``."""
     from engine.trainer import Trainer
 
     checker.detect_anomaly = detect_anomaly
@@ -453,6 +535,9 @@ def _run_checked(
                 trainer.fit(task, template, data, ckpt_path=str(ckpt))
         except _Diverged as e:
             outcome["divergence"] = e.divergence
+            outcome["diverged_after"] = e.after
+            if e.after is not None and e.after == e.divergence.step - 1:
+                outcome["first_divergent_step"] = e.divergence.step
         except RuntimeError as e:
             if not (detect_anomaly and torch.is_anomaly_enabled()):
                 raise

@@ -4,7 +4,9 @@ the states they describe, the task's code pickled for replay, and resume appends
 from __future__ import annotations
 
 import json
+import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -266,3 +268,113 @@ def test_a_checkpoint_saved_at_train_end_after_the_journal_is_journaled(tmp_path
     )
     last = Journal.read(tmp_path / "run")[-1]
     assert last["checkpoint"] == str(tmp_path / "end") and last["step"] == 5
+
+
+class _StepLosses(eg.Listener):
+    """Each optimizer step's loss, as the step reports it (the last micro-batch's)."""
+
+    def __init__(self):
+        self.losses = {}
+
+    def on_train_batch_end(self, rec):
+        if rec.state.micro_step == 0:
+            self.losses[rec.state.step] = float(rec.outputs["loss"])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_journal_lines_hold_every_steps_loss_as_a_raw_rerun_computes_it(tmp_path, accumulate):
+    task, seen = _task(), _StepLosses()
+    journal = Journal(tmp_path / "run", every_n_steps=4)
+    trainer = _trainer(
+        tmp_path, max_epochs=4, accumulate_grad_batches=accumulate, callbacks=[journal, seen]
+    )
+    torch.manual_seed(0)
+    trainer.fit(task, task.init(nn.Linear(3, 1)), _data())
+    # the same steps again without a Trainer: the optimizer steps when the accumulation window
+    # is full and at each epoch's last batch
+    torch.manual_seed(0)
+    step, state, raw = task.train_step(accumulate=accumulate), task.init(nn.Linear(3, 1)), {}
+    for _ in range(4):
+        for i, batch in enumerate(_data()):
+            state, metrics = step(state, batch, flush=i == len(_data()) - 1)
+            if state.micro_step == 0:
+                raw[state.step] = float(metrics["loss"])
+    lines = [x for x in Journal.read(tmp_path / "run") if "loss" in x]
+    assert [x["step"] for x in lines] == list(range(4, len(raw) + 1, 4))
+    for line in lines:
+        first = line["step"] - 3
+        assert len(line["losses"]) == 4 and line["losses"][-1] == line["loss"]
+        expected = [raw[s] for s in range(first, line["step"] + 1)]
+        assert [x.hex() for x in line["losses"]] == [x.hex() for x in expected]  # bitwise
+        assert line["losses"] == [seen.losses[s] for s in range(first, line["step"] + 1)]
+
+
+def test_a_resumed_fit_journals_the_losses_of_its_own_steps(tmp_path):
+    task, saver = _task(), _SaveAt(3, tmp_path / "ckpt")
+    journal = Journal(tmp_path / "run", every_n_steps=5, fingerprint_every_n_steps=0)
+    _trainer(tmp_path, max_epochs=1, callbacks=[journal, saver]).fit(
+        task, task.init(nn.Linear(3, 1)), _data()
+    )
+    _trainer(tmp_path, max_epochs=2, callbacks=[Journal(tmp_path / "run", every_n_steps=5)]).fit(
+        task, task.init(nn.Linear(3, 1)), _data(), ckpt_path=tmp_path / "ckpt"
+    )
+    first, again, last = [x for x in Journal.read(tmp_path / "run") if "loss" in x]
+    assert (first["step"], again["step"], last["step"]) == (5, 5, 10)
+    assert len(first["losses"]) == 5 and len(last["losses"]) == 5
+    assert again["losses"] == first["losses"][-2:]  # steps 4 and 5, re-executed after step 3
+
+
+def test_non_finite_step_losses_round_trip_through_the_journal(tmp_path):
+    def loss_fn(model, batch):  # a weight per batch: the loss of step 2 is infinite
+        x, y, w = batch
+        return F.mse_loss(model(x), y) * w
+
+    task = eg.Task(loss_fn, optim.sgd(0.1))
+    weights = [torch.tensor(1.0), torch.tensor(float("inf")), torch.tensor(1.0)]
+    data = [(x, y, w) for (x, y), w in zip(_data()[:3], weights, strict=True)]
+    _trainer(tmp_path, max_epochs=1, callbacks=[Journal(tmp_path / "run", every_n_steps=3)]).fit(
+        task, task.init(nn.Linear(3, 1)), data
+    )
+    (line,) = [x for x in Journal.read(tmp_path / "run") if "loss" in x]
+    finite, inf, nan = line["losses"]  # step 2's infinite gradient turns the weights NaN
+    assert math.isfinite(finite) and inf == float("inf") and math.isnan(nan)
+    assert math.isnan(line["loss"])
+
+
+def test_the_journal_reads_losses_to_the_host_once_a_line_not_once_a_step(tmp_path, monkeypatch):
+    import threading
+
+    calls = []
+
+    def counting(name):
+        real = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, **k):
+            if threading.current_thread() is threading.main_thread():
+                calls.append(name)
+            return real(self, *a, **k)
+
+        return wrapped
+
+    # the ways a value comes to Python (the start line's fingerprint hashes the state's bytes)
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+
+    def syncs(journal):
+        task = _task()
+        calls.clear()
+        _trainer(  # the Trainer logs no step: log_every_n_steps beyond the run
+            tmp_path,
+            max_epochs=4,
+            log_every_n_steps=1000,
+            enable_journal=journal is not None,
+            callbacks=[journal] if journal is not None else [],
+        ).fit(task, task.init(nn.Linear(3, 1)), _data())
+        return len(calls)
+
+    without = syncs(None)
+    journal = Journal(tmp_path / "run", every_n_steps=5, fingerprint_every_n_steps=0)
+    with_journal = syncs(journal)
+    lines = [x for x in Journal.read(tmp_path / "run") if "loss" in x]
+    assert len(lines) == 4 and all(len(x["losses"]) == 5 for x in lines)  # 20 steps
+    assert with_journal - without <= len(lines), (with_journal, without)

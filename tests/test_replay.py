@@ -329,3 +329,121 @@ def test_data_too_large_to_pickle_is_left_out_and_replay_takes_it_as_an_argument
     with pytest.raises(eg.ReplayError, match=r"replay\(\.\.\., data=\.\.\.\)"):
         eg.replay(run, trust_code=True)
     assert eg.replay(run, trust_code=True, data=_data()).identical
+
+
+def _changed_at(data: list, index: int) -> list:
+    other = list(data)
+    x, y = other[index]
+    other[index] = (x + 1e-3, y)  # one input, a tiny bit off
+    return other
+
+
+def _strip_step_losses(run: str | Path) -> None:
+    """Rewrite the journal as an engine before per-step losses wrote it."""
+    path = Path(run) / "journal.jsonl"
+    lines = Journal.read(run)
+    assert any("losses" in x for x in lines)
+    for line in lines:
+        line.pop("losses", None)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_change_between_journal_lines_is_reported_at_its_exact_step(tmp_path, accumulate):
+    # lines at steps 10, 20, 30, 40; the data of step 22 alone differs at replay
+    data = _data(40 * accumulate)
+    trainer = _fit(
+        tmp_path, data=data, max_epochs=1, log_every_n_steps=10, accumulate_grad_batches=accumulate
+    )
+    # the last micro-batch of step 22: the one whose loss the step reports
+    other = _changed_at(data, 22 * accumulate - 1)
+    report = eg.replay(trainer.run_dir, trust_code=True, data=other)
+    assert report.divergence is not None, str(report)
+    assert report.divergence.step == report.first_divergent_step == 22
+    assert report.diverged_after == 21
+    journaled, replayed = report.divergence.values["loss"]
+    assert journaled != replayed and replayed == report.losses[22]
+    assert report.steps == 22  # the replay stops at the divergence
+    assert "first divergence at step 22" in str(report)
+
+
+def test_a_changed_task_is_reported_at_the_first_step_whose_loss_differs(tmp_path):
+    # a learning rate off at step 22 alone changes the update of step 22: step 23's loss
+    trainer = _fit(
+        tmp_path, data=_data(40), max_epochs=1, log_every_n_steps=10, accumulate_grad_batches=1
+    )
+    run = Path(trainer.run_dir)
+    sched = optim.cosine_decay(0.05, 40)
+
+    def off_at_22(step):
+        return sched(step) * (1.5 if step == 21 else 1.0)  # the lr of the 22nd update
+
+    from engine._pickling import dumps_code
+
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.adamw(off_at_22), lr=sched)
+    (run / "task.pkl").write_bytes(dumps_code(task))
+    report = eg.replay(run, trust_code=True)
+    assert report.divergence is not None and report.first_divergent_step == 23, str(report)
+    assert set(report.divergence.values) == {"loss"}
+
+
+def test_a_journal_without_per_step_losses_replays_and_reports_the_interval(tmp_path, capsys):
+    data = _data(40)
+    trainer = _fit(
+        tmp_path, data=data, max_epochs=1, log_every_n_steps=10, accumulate_grad_batches=1
+    )
+    run = Path(trainer.run_dir)
+    _strip_step_losses(run)
+    same = eg.replay(run, trust_code=True)
+    assert same.identical and same.steps == 40, str(same)
+    assert same.diverged_after is None and same.first_divergent_step is None
+    report = eg.replay(run, trust_code=True, data=_changed_at(data, 21))  # step 22's batch
+    assert report.divergence is not None, str(report)
+    # the first differing value is journaled at step 30; steps 21..29 hold none
+    assert report.divergence.step == 30 and report.diverged_after == 20
+    assert report.first_divergent_step is None
+    assert "divergence lies in steps (20, 30]" in str(report)
+    # the command line prints the same
+    from engine._pickling import dumps_code
+    from engine.cli import main
+
+    (run / "data.pkl").write_bytes(dumps_code(_changed_at(data, 21)))
+    assert main(["replay", str(run), "--trust-code"]) == 1
+    out = capsys.readouterr().out
+    assert "first difference seen at step 30" in out and "(20, 30]" in out
+
+
+def test_the_interval_starts_at_the_checkpoint_the_replay_starts_from(tmp_path):
+    # a checkpoint at step 25, between the lines at 20 and 30 of a journal without losses
+    saver = eg.ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=25, save_top_k=-1)
+    data = _data(40)
+    trainer = _fit(
+        tmp_path,
+        data=data,
+        max_epochs=1,
+        log_every_n_steps=10,
+        callbacks=[saver],
+        accumulate_grad_batches=1,
+    )
+    _strip_step_losses(trainer.run_dir)
+    report = eg.replay(trainer.run_dir, 26, 40, trust_code=True, data=_changed_at(data, 26))
+    assert report.start_step == 25
+    assert report.divergence is not None and report.divergence.step == 30
+    assert report.diverged_after == 25 and "(25, 30]" in str(report)
+
+
+def test_a_differing_fingerprint_alone_is_placed_after_the_last_matching_one(tmp_path):
+    # every loss matches, so the state's difference lies after its last matching fingerprint
+    journal = Journal(every_n_steps=10, fingerprint_every_n_steps=20)
+    trainer = _fit(
+        tmp_path, data=_data(40), max_epochs=1, accumulate_grad_batches=1, callbacks=[journal]
+    )
+    path = Path(trainer.run_dir) / "journal.jsonl"
+    lines = Journal.read(trainer.run_dir)
+    last = next(x for x in lines if x["step"] == 40 and "fingerprint" in x)
+    last["fingerprint"] = "0" * 32
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert report.divergence is not None and set(report.divergence.values) == {"fingerprint"}
+    assert report.divergence.step == 40 and report.diverged_after == 20
+    assert report.first_divergent_step is None and "(20, 40]" in str(report)

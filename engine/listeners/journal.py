@@ -3,7 +3,8 @@
 A journal is what :func:`engine.replay` checks a re-execution against. The run directory holds:
 
 * ``journal.jsonl``: JSON lines of ``step``, ``epoch``, ``batch_idx``, ``loss`` and ``lr`` every
-  ``every_n_steps`` optimizer steps, the state's ``fingerprint`` every
+  ``every_n_steps`` optimizer steps, with ``losses``: the loss of every optimizer step since the
+  previous such line (the last one is this step's ``loss``), the state's ``fingerprint`` every
   ``fingerprint_every_n_steps`` steps, and a line (with fingerprint and path) for every
   checkpoint, including the state the fit started from. An asynchronous checkpoint's line is
   written once it is on disk, with the fingerprint its writer hashed from the snapshot (so the
@@ -18,12 +19,17 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
+
+import torch
 
 from engine import checkpoint
 from engine._config import run_config
@@ -50,7 +56,11 @@ class Journal(Listener):
         dirpath: the run directory; default the first logger's ``log_dir``, or a new
             ``<default_root_dir>/lightning_logs/version_N`` when there is no logger.
         every_n_steps: a line every this many optimizer steps (default: the trainer's
-            ``log_every_n_steps``). Each line reads the loss on the host: one sync.
+            ``log_every_n_steps``). The loss tensor of every optimizer step is kept until the
+            next line, which reads them all to the host at once (one sync a line, none between
+            lines) and writes them as its ``losses``: the losses of steps
+            ``step - len(losses) + 1`` .. ``step``, in order (all the steps since the previous
+            line of this fit; fewer after a resume or a step without a loss).
         fingerprint_every_n_steps: add the state's fingerprint (a hash of every byte of the
             state) every this many steps; ``0`` only at checkpoints.
         replayable: also save what a replay needs: the task, the model's structure, the
@@ -73,6 +83,9 @@ class Journal(Listener):
         >>> _ = trainer.fit(task, task.init(torch.nn.Linear(3, 1)), data)
         >>> [(line["step"], "checkpoint" in line) for line in Journal.read(d)]
         [(0, True), (2, False), (4, False)]
+        >>> line = Journal.read(d)[-1]
+        >>> len(line["losses"]), line["losses"][-1] == line["loss"]  # steps 3 and 4
+        (2, True)
     """
 
     def __init__(
@@ -102,6 +115,9 @@ class Journal(Listener):
         self.max_data_bytes = max_data_bytes
         self._file: IO[str] | None = None
         self._last_step = -1
+        # the loss tensors of the optimizer steps since the last line, and the step of the last
+        self._losses: deque[Any] = deque()
+        self._losses_to = -1
         # lines of asynchronous checkpoints not yet on disk, in the order they were asked for
         self._landing: list[tuple[dict[str, Any], Future[Path]]] = []
 
@@ -115,6 +131,8 @@ class Journal(Listener):
         self.dirpath = root
         if self.every_n_steps is None:
             self.every_n_steps = trainer.log_every_n_steps
+        self._losses = deque(maxlen=self.every_n_steps or 1)
+        self._losses_to = -1
         (root / CONFIG).write_text(json.dumps(run_config(trainer), indent=2, sort_keys=True))
         self._file = open(root / JOURNAL, "a")  # noqa: SIM115 - open for the whole fit
         if not self.replayable or rec.state is None:
@@ -144,13 +162,46 @@ class Journal(Listener):
         state = rec.state
         if self._file is None or state is None or state.micro_step or not self.every_n_steps:
             return
+        loss = rec.outputs.get("loss") if rec.outputs else None
+        self._keep(state.step, loss)
         if state.step % self.every_n_steps or state.step == self._last_step:
             return
         fp_every = self.fingerprint_every_n_steps
         with_fp = bool(fp_every) and state.step % fp_every == 0
-        loss = rec.outputs.get("loss") if rec.outputs else None
-        self._put(self._line(rec, loss=loss, fingerprint=with_fp))
+        losses = self._take(state.step)
+        if losses is not None:  # this step's loss is the last of them: read with them
+            self._put(self._line(rec, loss=losses[-1], fingerprint=with_fp, losses=losses))
+        else:
+            self._put(self._line(rec, loss=loss, fingerprint=with_fp))
         self._last_step = state.step
+
+    def _keep(self, step: int, loss: Any) -> None:
+        """Keep optimizer step ``step``'s loss (the tensor: no sync) for the next line."""
+        if loss is None or step != self._losses_to + 1:
+            self._losses.clear()  # the kept losses must be of consecutive steps up to the last
+        if loss is None:
+            self._losses_to = -1
+            return
+        self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        self._losses_to = step
+
+    def _take(self, step: int) -> list[float] | None:
+        """The kept losses (of the steps up to ``step``) on the host, read with one sync; the
+        keeping starts over."""
+        if not self._losses or self._losses_to != step:
+            self._losses.clear()
+            return None
+        kept = list(self._losses)
+        self._losses.clear()
+        tensors = [t for t in kept if isinstance(t, torch.Tensor)]
+        host: Iterator[Any] = iter(())
+        if tensors:
+            # one dtype that holds each loss exactly (they normally share one)
+            dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+            device = tensors[0].device
+            stacked = torch.stack([t.to(device=device, dtype=dtype) for t in tensors])
+            host = iter(stacked.tolist())  # the one host sync of a journal line
+        return [float(next(host)) if isinstance(v, torch.Tensor) else float(v) for v in kept]
 
     def on_save_checkpoint(self, rec: EventRecord) -> None:
         if self._file is None or rec.state is None:
@@ -181,6 +232,7 @@ class Journal(Listener):
         fingerprint: bool,
         checkpoint: str | bool = False,
         start: bool = False,
+        losses: list[float] | None = None,
     ) -> dict[str, Any]:
         assert rec.state is not None
         state = rec.state
@@ -192,7 +244,7 @@ class Journal(Listener):
         if state.micro_step:
             line["micro_step"] = state.micro_step
         if loss is not None:
-            line["loss"] = float(loss)  # the one host sync of a journal line
+            line["loss"] = float(loss)  # a host sync unless read with the line's losses
         lr = getattr(rec.trainer.task, "lr", None)
         if lr is not None:
             line["lr"] = float(lr(state.step) if callable(lr) else lr)
@@ -202,6 +254,8 @@ class Journal(Listener):
             line["checkpoint"] = checkpoint
         if start:
             line["start"] = True
+        if losses is not None:
+            line["losses"] = losses
         return line
 
     def _put(self, line: dict[str, Any]) -> None:
