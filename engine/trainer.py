@@ -31,8 +31,10 @@ from engine.data import (
     lookahead,
     order_outside_the_state,
     position_loader,
+    randomness_outside_the_state,
     resolve_loaders,
     restore_loader,
+    seed_batches,
     seed_shuffle,
     stateful,
 )
@@ -495,6 +497,16 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
                 "epoch), or pass sampler=engine.data.ShuffleSampler(dataset, seed=...)",
                 stacklevel=2,
             )
+        if randomness_outside_the_state(train_loaders[0]):
+            warnings.warn(
+                "the training DataLoader loads in worker processes that the Trainer cannot "
+                "seed (a custom batch sampler, batch_size=None, an iterable dataset, a loader "
+                "with state_dict() or a dataset without an instance dict): random numbers its "
+                "dataset draws there (random augmentation) are outside the run's state, so a run "
+                "resumed from a checkpoint or replayed may see other batches. Wrap the dataset "
+                "in engine.data.SeededDataset(dataset, seed=...) to seed each sample",
+                stacklevel=2,
+            )
         self._total_batch_idx = 0  # a checkpoint, if given, restores these
         self._phase, self._resume_phase, self._resume_event = "between", None, None
         self._data_position = self._resume_data_state = None
@@ -626,6 +638,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         if not any(x is train_loader for x in self._positioned):
             self._positioned.append(train_loader)
         seed_shuffle(train_loader, self._state.seed, epoch)  # shuffle=True: order from the state
+        seed_batches(train_loader, self._state.seed, epoch)  # augmentation: from the state too
         offset = skip if position_loader(train_loader, epoch, skip) else 0
         restored, self._resume_data_state = self._resume_data_state, None
         if skip and not offset and restored is not None and stateful(train_loader):

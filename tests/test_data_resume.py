@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -190,3 +191,162 @@ def test_a_random_sampler_subclass_with_its_own_order_is_left_alone_and_warned_a
     assert not eg.data.seed_shuffle(loader, seed=0, epoch=0)
     assert loader.sampler.generator is None
     assert eg.data.order_outside_the_state(loader)
+
+
+# ------------------------------------------- random augmentation in a plain Dataset, unwrapped
+
+
+class _Batches(eg.Listener):
+    """Records every training batch's inputs."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, rec):
+        self.seen.append(rec.batch[0].clone())
+
+
+def _perturb_global_rngs(k: int) -> None:
+    """Other code (or another process) left the global generators somewhere else."""
+    torch.manual_seed(1000 + k)
+    random.seed(1000 + k)
+    np.random.seed(1000 + k)
+
+
+def plain_loader(workers: int = 2, *, order: str = "sequential", **kw) -> DataLoader:
+    """A plain ``Augmented`` (no SeededDataset) in ``order``: "sequential", "shuffle"
+    (``shuffle=True``) or "sampler" (a ``ShuffleSampler``, which skips by starting later)."""
+    ds = Augmented()
+    if order == "sampler":
+        kw["sampler"] = ShuffleSampler(ds, seed=7)
+    return DataLoader(ds, batch_size=4, shuffle=order == "shuffle", num_workers=workers, **kw)
+
+
+def _fit_plain(dl, k: int, *listeners, **kw) -> tuple[eg.TrainState, torch.Tensor]:
+    """Fit two epochs from seed 5 with the global generators in state ``k``; the state and the
+    batches seen."""
+    task, seen = _task(), _Batches()
+    state = task.init(_model(), seed=5)
+    _perturb_global_rngs(k)
+    state = _trainer(max_epochs=2, callbacks=[seen, *listeners], **kw).fit(task, state, dl)
+    return state, torch.stack(seen.seen)
+
+
+def test_augmentation_in_a_plain_dataset_is_seeded_from_the_state_and_does_not_depend_on_workers():
+    from torch.utils.data import Subset
+
+    base, batches = _fit_plain(plain_loader(0), 0)
+    again, batches_again = _fit_plain(plain_loader(2), 1)
+    assert again.fingerprint() == base.fingerprint()
+    assert torch.equal(batches_again, batches)
+    twice = _fit_plain(plain_loader(2), 2)
+    assert twice[0].fingerprint() == base.fingerprint()  # two fits with the same seed
+    started = plain_loader(2, persistent_workers=True)
+    _ = [b for b in started]  # its workers start before the fit, without the hook
+    subset = DataLoader(Subset(Augmented(), range(24)), batch_size=4, num_workers=2)
+    for dl in (plain_loader(1), plain_loader(2, persistent_workers=True), started, subset):
+        state, seen = _fit_plain(dl, 3)
+        assert torch.equal(seen, batches) and state.fingerprint() == base.fingerprint()
+    # the same samples draw new numbers in the next epoch, and with another seed
+    assert not torch.equal(batches[0], batches[6])
+    other_seed = _trainer(max_epochs=1, callbacks=[seen := _Batches()]).fit(
+        _task(), _task().init(_model(), seed=6), plain_loader(2)
+    )
+    assert other_seed.step == 6 and not torch.equal(torch.stack(seen.seen), batches[:6])
+
+
+@pytest.mark.parametrize("order", ["sequential", "shuffle", "sampler"])
+def test_resume_with_two_workers_and_augmentation_in_a_plain_dataset_in_a_fresh_process_is_bitwise(
+    tmp_path, order
+):
+    ckpt = tmp_path / "ckpt"
+    here = str(Path(__file__).parent)
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {here!r})
+        import torch
+        from test_data_resume import plain_loader
+        from test_resume import _task, _model, _trainer, _SaveAt
+        task = _task()
+        state = task.init(_model(), seed=5)
+        torch.manual_seed(123)  # this process's global generators are its own business
+        _trainer(max_epochs=3, max_steps=9, callbacks=[_SaveAt(9, {str(ckpt)!r})]).fit(
+            task, state, plain_loader(2, order={order!r}))
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True)
+    assert checkpoint.read_meta(ckpt)["batch_idx"] == 3  # epoch 1, 3 of 6 batches done
+    task = _task()
+    seen_full, seen_resumed = _Batches(), _Batches()
+    state = task.init(_model(), seed=5)
+    _perturb_global_rngs(0)
+    full = _trainer(max_epochs=3, callbacks=[seen_full]).fit(
+        task, state, plain_loader(2, order=order)
+    )
+    state = task.init(_model())
+    _perturb_global_rngs(1)
+    resumed = _trainer(max_epochs=3, callbacks=[seen_resumed]).fit(
+        task, state, plain_loader(2, order=order), ckpt_path=ckpt
+    )
+    assert resumed.step == full.step == 18
+    assert resumed.fingerprint() == full.fingerprint()
+    assert torch.equal(torch.stack(seen_resumed.seen), torch.stack(seen_full.seen[9:]))
+
+
+def test_a_fit_seeds_batches_only_while_it_runs_and_leaves_the_loader_as_the_user_made_it(
+    tmp_path,
+):
+    def init(worker_id: int) -> None:
+        pass
+
+    dl = plain_loader(2, order="shuffle", persistent_workers=True, worker_init_fn=init)
+    sampler, dataset = dl.batch_sampler.sampler, dl.dataset
+    ckpt = tmp_path / "c"
+    _fit_plain(dl, 0, _SaveAt(9, ckpt), max_steps=9)
+    task, seen = _task(), _Batches()
+    state = task.init(_model())
+    _perturb_global_rngs(1)
+    _trainer(max_epochs=2, max_steps=10, callbacks=[seen]).fit(task, state, dl, ckpt_path=ckpt)
+    # the resumed fit (on the same loader and workers) saw the uninterrupted run's 10th batch
+    assert len(seen.seen) == 1
+    assert torch.equal(seen.seen[0], _fit_plain(plain_loader(0, order="shuffle"), 2)[1][9])
+    assert "__getitems__" not in vars(dataset) and dl.dataset is dataset
+    assert dl.batch_sampler.sampler is sampler and dl.sampler is sampler
+    assert sampler.generator is None and dl.worker_init_fn is init
+    # outside a fit the (still running, persistent) workers draw unseeded, new numbers each pass
+    a, b = (torch.cat([x for x, _ in dl]) for _ in range(2))
+    assert not torch.equal(a, b)
+
+
+def test_fit_warns_when_workers_draw_outside_the_state():
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    class Pairs(BatchSampler):  # a custom batch sampler: the Trainer cannot key its batches
+        pass
+
+    def custom(ds, workers=2):
+        batches = Pairs(SequentialSampler(ds), batch_size=4, drop_last=False)
+        return DataLoader(ds, batch_sampler=batches, num_workers=workers)
+
+    task = _task()
+    with pytest.warns(UserWarning, match=r"outside the run's state.*SeededDataset") as record:
+        _trainer(max_epochs=2).fit(task, task.init(_model()), custom(Augmented()))
+    assert sum("worker processes" in str(w.message) for w in record) == 1  # once a fit
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*worker processes")
+        _trainer(max_epochs=1).fit(task, task.init(_model()), custom(Augmented(), workers=0))
+        _trainer(max_epochs=1).fit(task, task.init(_model()), custom(SeededDataset(Augmented())))
+        _trainer(max_epochs=1).fit(task, task.init(_model()), plain_loader(2))  # seeded
+
+
+def test_seeded_batches_leave_the_callers_python_and_numpy_streams_alone():
+    dl = plain_loader(0)
+    assert eg.data.seed_batches(dl, seed=0, epoch=0)
+    random.seed(0)
+    np.random.seed(0)
+    expected = (random.random(), np.random.rand(), random.random(), np.random.rand())
+    random.seed(0)
+    np.random.seed(0)
+    first = (random.random(), np.random.rand())
+    batches = [x for x, _ in dl]  # each batch draws from both inside
+    assert (*first, random.random(), np.random.rand()) == expected
+    assert all(torch.equal(a, b) for a, b in zip(batches, [x for x, _ in dl], strict=True))
+    eg.data.restore_loader(dl)
