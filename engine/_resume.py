@@ -289,8 +289,10 @@ class CheckpointingMixin:
 
     @contextlib.contextmanager
     def _catch_signals(self) -> Iterator[None]:
-        """During fit, SIGTERM and SIGINT only raise a flag: the current step finishes, then
-        the loop saves a checkpoint and exits (see ``_stop_for_signal``)."""
+        """During fit, SIGTERM and SIGINT only raise a flag, checked after each training batch
+        (with its validation) and after each epoch's end: there the loop saves a checkpoint and
+        exits (see ``_stop_for_signal``). One that comes later, once the last epoch has ended,
+        finds the fit finished: it returns, saying so on stderr (``_report_late_signal``)."""
         self._signal = None
         if threading.current_thread() is not threading.main_thread():
             yield  # signal handlers can only be installed from the main thread
@@ -323,6 +325,19 @@ class CheckpointingMixin:
         if self._signal == signal.SIGINT:
             raise KeyboardInterrupt(message)
         raise SystemExit(message)
+
+    def _report_late_signal(self) -> None:
+        """A signal that came after the last check of the fit (in ``on_train_end``,
+        ``on_fit_end`` or teardown): training had finished, so the fit returns its final
+        state; say so, since the signal asked for an end that had already come."""
+        assert self._signal is not None
+        name = signal.Signals(self._signal).name
+        print(
+            f"{name} received after the last training step: the fit had finished (step "
+            f"{self.global_step}, epoch {self.current_epoch}) and returns its final state; no "
+            "interrupted checkpoint was needed",
+            file=sys.stderr,
+        )
 
     def _complete_event(self, *events: Event, **fields: Any) -> bool:
         """If the restored checkpoint was saved while one of ``events`` was being dispatched,

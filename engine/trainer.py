@@ -518,6 +518,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
                 for loader in self._positioned:  # as the user made them (reloaded ones too)
                     restore_loader(loader)
         assert self._state is not None
+        if self._signal is not None:  # after the last epoch's end: nothing was left to stop
+            self._report_late_signal()
         return self._state
 
     def _fit(self, task: Task, train_loader: Any, val_loaders: list[Any], dm: Any) -> None:
@@ -626,6 +628,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             self._emit(Event.ON_TRAIN_EPOCH_END)
             self._state = self._state.replace(epoch=epoch + 1, batch_idx=0)
             self._phase = "between"
+            if self._signal is not None:  # it came during the epoch's end (its checkpoint)
+                self._stop_for_signal()
         self._emit(Event.ON_TRAIN_END)
         self._emit(Event.ON_FIT_END)
 
