@@ -57,7 +57,7 @@ def encode(meta: Mapping[str, Any]) -> bytes:
     """
     if not meta:
         raise ValueError("meta.json cannot be empty")
-    body = json.dumps(dict(meta), indent=2, sort_keys=True, allow_nan=False)
+    body = json.dumps(dict(meta), indent=2, sort_keys=True)
     head = body[: -len("\n}")].encode("ascii")  # json.dumps escapes every non-ASCII character
     return head + _tail(f"{_HASH}:{xxhash.xxh3_128(head).hexdigest()}")
 

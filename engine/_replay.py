@@ -341,17 +341,17 @@ def _find_checkpoint(root: Path, lines: list[dict[str, Any]], from_step: int) ->
         # the run directory may have moved since: look for the checkpoint beside the journal too
         for path in (journaled, root / journaled.name, root / "checkpoints" / journaled.name):
             if (path / checkpoint.META).is_file():
-                if checkpoint.read_meta(path).get("weights_only"):
-                    break  # the model alone: no optimizer state to continue from
-                info = checkpoint.inspect(path)
-                if info["verified"]:
-                    return path, line
-                warnings.warn(
-                    f"replay: checkpoint {path} fails verification ({info['problem']}); trying "
-                    "an older one",
-                    stacklevel=3,
-                )
-                break
+                try:
+                    if checkpoint.read_meta(path).get("weights_only"):
+                        break  # the model alone: no optimizer state to continue from
+                    checkpoint.verify(path)
+                except checkpoint.CheckpointError as e:
+                    warnings.warn(
+                        f"replay: checkpoint {path} fails verification ({e}); trying an older one",
+                        stacklevel=3,
+                    )
+                    break
+                return path, line
     listed = sorted({x["step"] for x in candidates})
     raise ReplayError(
         f"{root}: no loadable checkpoint taken before step {from_step} (journaled checkpoint "

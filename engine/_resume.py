@@ -216,16 +216,31 @@ class CheckpointingMixin:
             checkpoint.clean_leftovers(root)
             if root.is_dir():
                 found += [p for p in root.iterdir() if (p / checkpoint.META).is_file()]
-        newest = sorted(found, key=_recency, reverse=True)
+        ranked, unreadable = [], []
+        for path in found:
+            try:
+                ranked.append((_recency(path), path))
+            except checkpoint.CheckpointError as e:  # its step is not known: it ranks nowhere
+                unreadable.append(f"{path} ({e})")
+        if unreadable:
+            warnings.warn(
+                'ckpt_path="last": passing over checkpoints whose meta.json fails verification: '
+                + "; ".join(unreadable),
+                stacklevel=3,
+            )
+        newest = [path for _, path in sorted(ranked, key=lambda x: x[0], reverse=True)]
         for i, path in enumerate(newest):
-            if checkpoint.inspect(path)["verified"]:
-                if i:
-                    warnings.warn(
-                        f'ckpt_path="last": {newest[0]} fails verification; resuming from the '
-                        f"newest valid checkpoint, {path}",
-                        stacklevel=3,
-                    )
-                return path
+            try:
+                checkpoint.verify(path)
+            except checkpoint.CheckpointError:
+                continue  # damaged (meta.json included): the next newest
+            if i:
+                warnings.warn(
+                    f'ckpt_path="last": {newest[0]} fails verification; resuming from the '
+                    f"newest valid checkpoint, {path}",
+                    stacklevel=3,
+                )
+            return path
         warnings.warn(
             'ckpt_path="last": no valid checkpoint found; training starts from the given state',
             stacklevel=3,
@@ -390,13 +405,11 @@ class CheckpointingMixin:
 
 def _recency(path: Path) -> tuple[int, int, float]:
     """Newest first: the step, then when the checkpoint says it was saved (nanoseconds: two
-    checkpoints of one step are milliseconds apart), then the directory's mtime."""
-    try:
-        meta = checkpoint.read_meta(path)
-    except checkpoint.CheckpointError:
-        return -1, -1, path.stat().st_mtime
-    saved_ns = meta.get("extra", {}).get("trainer", {}).get("saved_at_ns", -1)
-    return int(meta.get("step", -1)), int(saved_ns), path.stat().st_mtime
+    checkpoints of one step are milliseconds apart), then the directory's mtime. Raises
+    ``CheckpointError`` when its ``meta.json`` fails verification."""
+    meta = checkpoint.read_meta(path)
+    saved_ns = meta["extra"].get("trainer", {}).get("saved_at_ns", -1)
+    return meta["step"], saved_ns if isinstance(saved_ns, int) else -1, path.stat().st_mtime
 
 
 class _Landing(Future):

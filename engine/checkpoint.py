@@ -74,6 +74,7 @@ __all__ = [
     "remove",
     "save",
     "save_async",
+    "verify",
     "wait",
 ]
 
@@ -479,9 +480,10 @@ def clean_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
 
 def _complete_checkpoint(path: Path) -> bool:
     try:
-        return bool(inspect(path)["verified"])
+        verify(path)
     except CheckpointError:
         return False
+    return True
 
 
 def _held(lock: Path) -> bool:
@@ -765,6 +767,31 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     except CheckpointError as e:
         info["verified"], info["problem"] = False, str(e)
     return info
+
+
+def verify(path: str | os.PathLike[str]) -> None:
+    """Check every checksum of the checkpoint at ``path`` (``meta.json``'s own included) and
+    its metadata's schema, without loading it into a state.
+
+    Raises:
+        CheckpointError: what :func:`load` would refuse the checkpoint for, naming the file.
+
+    Example:
+        >>> import tempfile, torch
+        >>> import engine as eg
+        >>> from engine import checkpoint, optim
+        >>> state = eg.TrainState.create(torch.nn.Linear(3, 2), optim.sgd(0.1))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = checkpoint.save(state, f"{d}/c")
+        ...     checkpoint.verify(path)
+        ...     (path / "tensors.pt").write_bytes(b"damaged")
+        ...     checkpoint.verify(path)
+        Traceback (most recent call last):
+        ...
+        engine.errors.CheckpointError: .../tensors.pt: checksum check failed (...
+    """
+    root = Path(path)
+    _verified_tensors(root, read_meta(root), materialize=False)
 
 
 def _engine_version() -> str:

@@ -249,3 +249,23 @@ def test_a_forged_run_state_in_extra_is_refused_at_resume(tmp_path):
             eg.Trainer(max_epochs=2, **quiet).fit(
                 task, task.init(nn.Linear(3, 1)), data, ckpt_path=path
             )
+
+
+def test_last_passes_over_a_checkpoint_whose_meta_json_is_damaged(tmp_path):
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(3)]
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    saver = eg.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1)
+    eg.Trainer(max_epochs=2, callbacks=[saver], **quiet).fit(task, task.init(nn.Linear(3, 1)), data)
+    newest = tmp_path / "ckpts" / "epoch=1-step=6"
+    raw = bytearray((newest / "meta.json").read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    (newest / "meta.json").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError):
+        checkpoint.verify(newest)
+    saver = eg.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1)
+    with pytest.warns(UserWarning, match=r"passing over checkpoints whose meta\.json fails"):
+        state = eg.Trainer(max_epochs=2, callbacks=[saver], **quiet).fit(
+            task, task.init(nn.Linear(3, 1)), data, ckpt_path="last"
+        )
+    assert state.step == 6  # resumed at step 3, ran the second epoch again
