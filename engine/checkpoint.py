@@ -162,9 +162,29 @@ def _describe(
     }
 
 
+def _replaceable(target: Path) -> None:
+    """Refuse to replace (and so delete) what is not a checkpoint: a file, or a directory with
+    something in it but no ``meta.json``; and a target whose parent cannot be a directory."""
+    if os.path.lexists(target):
+        if target.is_symlink() or not target.is_dir():
+            raise CheckpointError(
+                f"{target} exists and is not a checkpoint directory; engine replaces only "
+                "checkpoints: save to another path, or remove it yourself"
+            )
+        if not (target / META).is_file() and any(target.iterdir()):
+            raise CheckpointError(
+                f"{target} is a directory with files but no {META}, not a checkpoint; engine "
+                "replaces only checkpoints (and empty directories): save to another path"
+            )
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the directory of checkpoint {target}: {e}") from e
+
+
 def _write(tensors: Mapping[str, Tensor], meta: Mapping[str, Any], target: Path) -> Path:
     """Write a checkpoint directory atomically and durably (see :func:`save`)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _replaceable(target)
     with _Claim(target.parent) as claim:
         tmp, old = claim.path(""), None
         tmp.mkdir()
@@ -273,7 +293,9 @@ def save(
 
     Raises:
         CheckpointError: when writing fails (a full disk, say); the previous checkpoint at
-            ``path``, if any, is left untouched and the temporary files are removed.
+            ``path``, if any, is left untouched and the temporary files are removed. Also when
+            ``path`` exists and is not a checkpoint (a file, or a directory with files but no
+            ``meta.json``): a save never deletes what it did not write.
 
     Example:
         >>> import tempfile, torch
@@ -287,6 +309,7 @@ def save(
         True
     """
     state.check_alive("checkpoint.save()")
+    _replaceable(Path(path))
     tensors, scalars = _flatten(state, weights_only)
     meta = _describe(state, scalars, metrics, extra, fingerprint, weights_only)
     return _write(tensors, meta, Path(path))
@@ -358,6 +381,7 @@ def save_async(
     state.check_alive("checkpoint.save_async()")
     tensors, scalars = _flatten(state, weights_only)
     try:
+        _replaceable(Path(path))  # here, so that the caller hears of it at once
         meta = _describe(state, scalars, metrics, extra, False, weights_only)
     except CheckpointError as e:
         failed: Future[Path] = Future()
@@ -422,6 +446,11 @@ def remove(path: str | os.PathLike[str]) -> None:
         return
     if not target.exists():
         return
+    if not (target / META).is_file() and any(target.iterdir()):
+        raise CheckpointError(
+            f"{target} is a directory with files but no {META}, not a checkpoint; "
+            "checkpoint.remove deletes only checkpoints"
+        )
     with _Claim(target.parent) as claim:
         doomed = claim.path(_DOOMED)
         try:

@@ -268,3 +268,24 @@ def test_last_passes_over_a_checkpoint_whose_meta_json_is_damaged(tmp_path):
             task, task.init(nn.Linear(3, 1)), data, ckpt_path="last"
         )
     assert state.step == 6  # resumed at step 3, ran the second epoch again
+
+
+def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("print('mine')")
+    for target in (tmp_path / "notes.txt", project):
+        with pytest.raises(CheckpointError, match="not a checkpoint"):
+            checkpoint.save(_state(), target)
+        with pytest.raises(CheckpointError, match="not a checkpoint"):
+            checkpoint.save_async(_state(), target).result()
+    with pytest.raises(CheckpointError, match="only checkpoints"):
+        checkpoint.remove(project)
+    with pytest.raises(CheckpointError, match="cannot create the directory"):
+        checkpoint.save(_state(), tmp_path / "notes.txt" / "c")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (project / "train.py").read_text() == "print('mine')"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "project"]
+    (tmp_path / "empty").mkdir()  # an empty directory is replaced, as a checkpoint would be
+    assert checkpoint.verify(checkpoint.save(_state(), tmp_path / "empty")) is None
