@@ -7,7 +7,7 @@ react to events but cannot change the state. Checkpoints (:mod:`engine.checkpoin
 exactly, and :func:`replay` re-executes a journaled run and checks it bitwise.
 """
 
-from engine import checkpoint, data, listeners, loggers, optim, rng
+from engine import checkpoint, data, listeners, loggers, optim, rng, transforms
 from engine._replay import Divergence, ReplayError, ReplayReport, UntrustedCodeError, replay
 from engine.events import Event, EventRecord, Listener, Stop, on
 from engine.listeners import (
@@ -72,5 +72,6 @@ __all__ = [
     "predict_step",
     "replay",
     "rng",
+    "transforms",
     "train_step",
 ]

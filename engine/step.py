@@ -35,12 +35,17 @@ from engine.state import TrainState
 
 __all__ = [
     "EvalStep",
+    "GradFn",
     "ModelView",
     "PredictStep",
     "TrainStep",
+    "UpdateFn",
+    "compile_core",
     "eval_step",
+    "grad_core",
     "predict_step",
     "train_step",
+    "update_core",
 ]
 
 Batch = Any
@@ -241,16 +246,72 @@ class _Compiled:
         return _binder(module).call(fn, tensors, (params, buffers, *args), {})
 
 
+def compile_core(core: Callable, options: Mapping[str, Any] | None = None) -> Callable:
+    """``core(module, params, buffers, *args)`` compiled with ``torch.compile`` (``options``),
+    the module closed over and its slots bound to the given tensors around each call: how a
+    step compiles its pure cores (:class:`engine.transforms.Compile`)."""
+    return _Compiled(core, options or {})
+
+
 def _maybe_compile(fn: Callable, compile: bool | Mapping[str, Any]) -> Callable:
     if compile is False:
         return fn
     return _Compiled(fn, compile if isinstance(compile, Mapping) else {})
 
 
+Forward = Callable[[], "tuple[Tensor, Mapping[str, Any]]"]
+GradFn = Callable[
+    [Forward, "list[Tensor]", int, Any], "tuple[tuple[Tensor, ...], Tensor, Mapping[str, Any]]"
+]
+UpdateFn = Callable[[dict[str, Tensor], dict[str, Tensor], Any, Any, int], "tuple[Any, Any]"]
+
+
+def grad_core(
+    forward: Forward, params: list[Tensor], accumulate: int, precision: Any
+) -> tuple[tuple[Tensor, ...], Tensor, Mapping[str, Any]]:
+    """The gradient computation every train step starts from: ``forward()`` gives
+    ``(loss, aux)``; the gradients are those of ``loss / accumulate``. Step transforms wrap it
+    (``wrap_grad``): autocast around ``forward``, or a loss scale (read from ``precision``, the
+    state's precision state, which this function does not use) applied to the loss that
+    ``forward`` returns and taken off the one this returns."""
+    loss, aux = forward()
+    if loss.ndim != 0:
+        raise ValueError(
+            f"loss_fn must return a scalar loss (got shape {tuple(loss.shape)}); "
+            "reduce it, e.g. with .mean()"
+        )
+    objective = loss / accumulate if accumulate > 1 else loss
+    return torch.autograd.grad(objective, params, materialize_grads=True), loss, aux
+
+
+def update_core(
+    tx: GradientTransformation, gradients: GradientTransformation | None = None
+) -> UpdateFn:
+    """The optimizer application every train step ends with:
+    ``update(grads, params, opt_state, precision, step) -> (opt_state, precision)``, running
+    the stateless ``gradients`` chain (clipping, later an all-reduce) before ``tx`` and writing
+    the parameters in place. Step transforms wrap it (``wrap_update``): a loss scale's unscale,
+    finite check and skipped step, with its state in ``precision``."""
+
+    def update(grads, params, opt_state, precision, step):
+        if gradients is not None:
+            grads, _ = gradients.update(grads, (), params, step)
+        if tx.apply is not None:
+            return tx.apply(grads, opt_state, params, step), precision
+        updates, opt_state = tx.update(grads, opt_state, params, step)
+        apply_updates(params, updates)
+        return opt_state, precision
+
+    return update
+
+
 class TrainStep:
     """``(state, batch) -> (state, metrics)``: one micro-batch of training.
 
-    Built by :func:`train_step`; see there for the arguments.
+    Built by :func:`train_step` (see there for the arguments) or, with step transforms, by
+    :meth:`engine.transforms.Pipeline.train_step`: ``grad_fn`` (default :func:`grad_core`)
+    computes the gradients, ``update_fn`` (default :func:`update_core` of ``tx`` and ``clip``)
+    applies them, and ``wrap_core`` wraps each of the two pure cores below (compilation).
     """
 
     def __init__(
@@ -260,9 +321,13 @@ class TrainStep:
         *,
         accumulate: int,
         donate: bool,
-        compile: bool | Mapping[str, Any],
+        compile: bool | Mapping[str, Any] = False,
         clip: GradientTransformation | None = None,
         grad_norm: bool = False,
+        grad_fn: GradFn | None = None,
+        update_fn: UpdateFn | None = None,
+        wrap_core: Callable[[Callable], Callable] | None = None,
+        rng_devices: Callable[[TrainState], tuple[int, ...]] | None = None,
     ) -> None:
         self.loss_fn = loss_fn
         self.tx = tx
@@ -271,29 +336,26 @@ class TrainStep:
         self.accumulate = accumulate
         self.donate = donate
         self.compile = compile
-        self._update = _maybe_compile(self._update_core, compile)
-        self._accumulate = (
-            _maybe_compile(self._accumulate_core, compile)
-            if accumulate > 1
-            else self._accumulate_core
-        )
+        self._grad_fn = grad_fn or grad_core
+        self._update_fn = update_fn or update_core(tx, clip)
+        self._rng_devices = rng_devices or _cuda_devices
+        wrap = wrap_core or (lambda core: _maybe_compile(core, compile))
+        self._update = wrap(self._update_core)
+        self._accumulate = wrap(self._accumulate_core) if accumulate > 1 else self._accumulate_core
 
     # The two pure cores (tensors in, tensors out, buffers donated). Kept free of Python
     # branches on values so torch.compile captures each as one graph.
 
-    def _grads(self, module, params, buffers, batch):
-        loss, aux = _split(self.loss_fn(_view(module, params, buffers), batch), "loss_fn")
-        if loss.ndim != 0:
-            raise ValueError(
-                f"loss_fn must return a scalar loss (got shape {tuple(loss.shape)}); "
-                "reduce it, e.g. with .mean()"
-            )
-        scaled = loss / self.accumulate if self.accumulate > 1 else loss
-        grads = torch.autograd.grad(scaled, list(params.values()), materialize_grads=True)
+    def _grads(self, module, params, buffers, precision, batch):
+        def forward():
+            return _split(self.loss_fn(_view(module, params, buffers), batch), "loss_fn")
+
+        params_list = list(params.values())
+        grads, loss, aux = self._grad_fn(forward, params_list, self.accumulate, precision)
         return grads, _metrics(loss, aux)
 
-    def _update_core(self, module, params, buffers, opt_state, grad_accum, step, batch):
-        grads, metrics = self._grads(module, params, buffers, batch)
+    def _update_core(self, module, params, buffers, opt_state, precision, grad_accum, step, batch):
+        grads, metrics = self._grads(module, params, buffers, precision, batch)
         with torch.no_grad():
             if grad_accum is not None:
                 torch._foreach_add_(grads, list(grad_accum.values()))
@@ -302,17 +364,11 @@ class TrainStep:
                 # Lightning's grad_norm(..., norm_type=2)["grad_2.0_norm_total"], before clipping
                 norms = torch._foreach_norm(list(grads.values()))
                 metrics["grad_norm"] = torch.linalg.vector_norm(torch.stack(norms))
-            if self.clip is not None:
-                grads, _ = self.clip.update(grads, (), params, step)
-            if self.tx.apply is not None:
-                opt_state = self.tx.apply(grads, opt_state, params, step)
-            else:
-                updates, opt_state = self.tx.update(grads, opt_state, params, step)
-                apply_updates(params, updates)
-        return opt_state, metrics
+            opt_state, precision = self._update_fn(grads, params, opt_state, precision, step)
+        return opt_state, precision, metrics
 
-    def _accumulate_core(self, module, params, buffers, grad_accum, batch):
-        grads, metrics = self._grads(module, params, buffers, batch)
+    def _accumulate_core(self, module, params, buffers, precision, grad_accum, batch):
+        grads, metrics = self._grads(module, params, buffers, precision, batch)
         if grad_accum is None:
             return dict(zip(params, grads, strict=True)), metrics
         with torch.no_grad():
@@ -341,24 +397,31 @@ class TrainStep:
         _set_mode(state.module, True)
         micro = state.micro_step
         apply = flush or micro + 1 >= self.accumulate
-        with rng.seeded(rng.derive_seed(state.seed, state.step, micro), _cuda_devices(state)):
+        with rng.seeded(rng.derive_seed(state.seed, state.step, micro), self._rng_devices(state)):
             if apply:
-                opt_state, metrics = self._update(
+                opt_state, precision, metrics = self._update(
                     state.module,
                     state.params,
                     state.buffers,
                     state.opt_state,
+                    state.precision,
                     state.grad_accum,
                     state.step,
                     batch,
                 )
             else:
                 grad_accum, metrics = self._accumulate(
-                    state.module, state.params, state.buffers, state.grad_accum, batch
+                    state.module,
+                    state.params,
+                    state.buffers,
+                    state.precision,
+                    state.grad_accum,
+                    batch,
                 )
         if apply:
             new = state.replace(
                 opt_state=opt_state,
+                precision=precision,
                 grad_accum=None,
                 step=state.step + 1,
                 micro_step=0,
@@ -453,11 +516,14 @@ class _InferenceStep(Generic[Out]):
         fn: Callable[[Any, Batch], Any],
         *,
         inference_mode: bool,
-        compile: bool | Mapping[str, Any],
+        compile: bool | Mapping[str, Any] = False,
+        wrap_core: Callable[[Callable], Callable] | None = None,
+        rng_devices: Callable[[TrainState], tuple[int, ...]] | None = None,
     ) -> None:
         self.fn = fn
         self.inference_mode = inference_mode
-        self._core = _maybe_compile(self._run, compile)
+        self._rng_devices = rng_devices or _cuda_devices
+        self._core = (wrap_core or (lambda core: _maybe_compile(core, compile)))(self._run)
 
     def _run(self, module, params, buffers, batch):
         return self._finish(self.fn(_view(module, params, buffers), batch))
@@ -470,7 +536,7 @@ class _InferenceStep(Generic[Out]):
         _set_mode(state.module, False)
         grad_mode = torch.inference_mode() if self.inference_mode else torch.no_grad()
         seed = rng.derive_seed(state.seed, state.step, state.batch_idx, self.stream)
-        with grad_mode, rng.seeded(seed, _cuda_devices(state)):
+        with grad_mode, rng.seeded(seed, self._rng_devices(state)):
             return self._core(state.module, state.params, state.buffers, batch)
 
 

@@ -91,19 +91,32 @@ class Task:
         """``TrainState.create(model, self.tx, seed=seed, **kwargs)``."""
         return TrainState.create(model, self.tx, seed=seed, **kwargs)
 
-    def train_step(self, **kwargs: Any) -> TrainStep:
-        """``engine.train_step(self.loss_fn, self.tx, **kwargs)``."""
+    def train_step(self, *, transforms: Any = None, **kwargs: Any) -> TrainStep:
+        """``engine.train_step(self.loss_fn, self.tx, **kwargs)``; with ``transforms`` (an
+        :class:`engine.transforms.Pipeline`), ``transforms.train_step(self.loss_fn, self.tx,
+        **kwargs)``."""
         kwargs.setdefault("grad_norm", self.grad_norm)
+        if transforms is not None:
+            return transforms.train_step(self.loss_fn, self.tx, **kwargs)
         return train_step(self.loss_fn, self.tx, **kwargs)
 
-    def eval_step(self, **kwargs: Any) -> EvalStep:
-        """The validation step, ``engine.eval_step(self.eval_fn or self.loss_fn, **kwargs)``."""
-        return eval_step(self.eval_fn or self.loss_fn, **kwargs)
+    def eval_step(self, *, transforms: Any = None, **kwargs: Any) -> EvalStep:
+        """The validation step, ``engine.eval_step(self.eval_fn or self.loss_fn, **kwargs)``
+        (or ``transforms.eval_step(...)``)."""
+        return self._inference(eval_step, self.eval_fn or self.loss_fn, transforms, kwargs)
 
-    def test_step(self, **kwargs: Any) -> EvalStep:
+    def test_step(self, *, transforms: Any = None, **kwargs: Any) -> EvalStep:
         """The test step: ``test_fn``, else the validation function."""
-        return eval_step(self.test_fn or self.eval_fn or self.loss_fn, **kwargs)
+        fn = self.test_fn or self.eval_fn or self.loss_fn
+        return self._inference(eval_step, fn, transforms, kwargs)
 
-    def predict_step(self, **kwargs: Any) -> PredictStep:
+    def predict_step(self, *, transforms: Any = None, **kwargs: Any) -> PredictStep:
         """The prediction step: ``predict_fn``, else ``model(batch)``."""
-        return predict_step(self.predict_fn, **kwargs)
+        return self._inference(predict_step, self.predict_fn, transforms, kwargs)
+
+    @staticmethod
+    def _inference(build: Any, fn: Any, transforms: Any, kwargs: dict[str, Any]) -> Any:
+        if transforms is None:
+            return build(fn, **kwargs)
+        method = transforms.predict_step if build is predict_step else transforms.eval_step
+        return method(fn, **kwargs)

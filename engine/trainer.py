@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine import _config as cfg
-from engine import checkpoint
+from engine import checkpoint, transforms
 from engine._profiling import ProfilingMixin
 from engine._resume import CheckpointingMixin, _is
 from engine.data import (
@@ -271,6 +271,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self._data_position: Any = None  # a stateful loader's state after the current batch
         self._positioned: list[Any] = []  # training loaders the fit seeded or positioned
         self._resume_data_state: Any = None  # ... as a restored checkpoint recorded it
+        self._transforms = transforms.compose()  # the run's step transforms (_pipeline)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -522,21 +523,26 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             self._report_late_signal()
         return self._state
 
-    def _fit(self, task: Task, train_loader: Any, val_loaders: list[Any], dm: Any) -> None:
+    def _pipeline(self) -> transforms.Pipeline:
+        """The step transforms the flags describe (``engine.transforms.compose``): a custom
+        loop that composes the same gets this Trainer's results bitwise."""
         clip = None
         if self.gradient_clip_val:
             clip = (
                 clip_by_global_norm if self.gradient_clip_algorithm == "norm" else clip_by_value
             )(float(self.gradient_clip_val))
-        step = self._timed(
-            "train_step",
-            task.train_step(
-                accumulate=self.accumulate_grad_batches, clip=clip, compile=self.compile
-            ),
+        return transforms.compose(
+            clip=clip, accumulate=self.accumulate_grad_batches, compile=self.compile
         )
+
+    def _fit(self, task: Task, train_loader: Any, val_loaders: list[Any], dm: Any) -> None:
+        pipeline = self._transforms = self._pipeline()
+        assert self._state is not None
+        self._state = pipeline.prepare(self._state)
+        step = self._timed("train_step", task.train_step(transforms=pipeline))
         evaluate = self._timed(
             "validation_step",
-            task.eval_step(inference_mode=self.inference_mode, compile=self.compile),
+            task.eval_step(transforms=pipeline, inference_mode=self.inference_mode),
         )
         self.num_val_batches = [
             limit_batches("val", count_batches(dl), self.limit_val_batches) for dl in val_loaders
@@ -678,6 +684,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             batch_idx = i + offset
             if batch_idx < skip:
                 continue
+            batch = self._transforms.move(batch)  # on the device, as listeners see it too
             self._data_position = position
             self._emit(Event.ON_TRAIN_BATCH_START, batch=batch, batch_idx=batch_idx)
             steps = is_last or (batch_idx + 1) % self.accumulate_grad_batches == 0
@@ -810,6 +817,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
             reducer = MetricReducer(self.task.reduce)
             for batch_idx, batch, _, _ in lookahead(loader, limit):
+                batch = self._transforms.move(batch)
                 self._emit(
                     ev["batch_start"], batch=batch, batch_idx=batch_idx, dataloader_idx=dl_idx
                 )
@@ -885,10 +893,11 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             self.num_val_batches = limits
         else:
             self.num_test_batches = limits
+        self._transforms = self._pipeline()
         step = self._timed(
             f"{kind}_step",
             (task.eval_step if kind == "validation" else task.test_step)(
-                inference_mode=self.inference_mode, compile=self.compile
+                transforms=self._transforms, inference_mode=self.inference_mode
             ),
         )
         with self._run(stage, task, state, ckpt_path):
@@ -917,9 +926,10 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             for dl in loaders
         ]
         self.num_predict_batches = limits
+        self._transforms = self._pipeline()
         step = self._timed(
             "predict_step",
-            task.predict_step(inference_mode=self.inference_mode, compile=self.compile),
+            task.predict_step(transforms=self._transforms, inference_mode=self.inference_mode),
         )
         keep = return_predictions is not False
         outputs: list[list[Any]] = []
@@ -929,6 +939,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
                 outs: list[Any] = []
                 for batch_idx, batch, _, _ in lookahead(loader, limit):
+                    batch = self._transforms.move(batch)
                     self._emit(
                         Event.ON_PREDICT_BATCH_START,
                         batch=batch,

@@ -1,0 +1,27 @@
+"""Step transforms: how a step runs (device, precision, clipping, compilation), composed in one
+declared order by :func:`compose`.
+
+The Trainer's flags build a :class:`Pipeline`; a custom loop builds the same one and gets the
+Trainer's results bitwise::
+
+    pipeline = transforms.compose(clip=optim.clip_by_global_norm(1.0), accumulate=4)
+    state = pipeline.prepare(state)
+    step = pipeline.train_step(loss_fn, tx)
+    for batch in loader:
+        state, metrics = step(state, pipeline.move(batch))
+"""
+
+from engine.transforms.base import Transform
+from engine.transforms.common import Clip, Compile, DetectAnomaly, Float32, SingleDevice
+from engine.transforms.compose import Pipeline, compose
+
+__all__ = [
+    "Clip",
+    "Compile",
+    "DetectAnomaly",
+    "Float32",
+    "Pipeline",
+    "SingleDevice",
+    "Transform",
+    "compose",
+]

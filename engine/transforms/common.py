@@ -1,0 +1,132 @@
+"""The single-device, float32, single-process transforms, and the ones every run may use:
+clipping, compilation, anomaly detection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from engine.optim.base import GradientTransformation
+from engine.state import TrainState
+from engine.step import compile_core
+from engine.transforms.base import Transform
+
+__all__ = ["Clip", "Compile", "DetectAnomaly", "Float32", "SingleDevice"]
+
+
+class SingleDevice(Transform):
+    """One device for the state and the batches (the CPU by default).
+
+    ``prepare`` moves every tensor of the state there (a state already there is returned as
+    it is); ``move`` moves a batch's tensors there (``non_blocking`` on CUDA). On the CPU, batches
+    are left where they are: moving costs a traversal of the batch every step, and a CPU run's
+    batches are on the CPU.
+
+    Example:
+        >>> import torch
+        >>> SingleDevice().move((torch.ones(2), "label"))
+        (tensor([1., 1.]), 'label')
+    """
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def prepare(self, state: TrainState) -> TrainState:
+        device = self.device
+        tensors = [*state.params.values(), *state.buffers.values()]
+        if all(_on(t, device) for t in tensors):
+            return state
+
+        def to(x: Any) -> Any:
+            return x.to(device) if isinstance(x, Tensor) else x
+
+        state.check_alive("SingleDevice.prepare()")
+        moved = state.replace(
+            params={
+                k: v.detach().to(device).requires_grad_(v.requires_grad)
+                for k, v in state.params.items()
+            },
+            buffers={k: v.to(device) for k, v in state.buffers.items()},
+            opt_state=pytree.tree_map(to, state.opt_state),
+            grad_accum=None if state.grad_accum is None else pytree.tree_map(to, state.grad_accum),
+            precision=pytree.tree_map(to, state.precision),
+            _ownership=type(state._ownership)(),
+        )
+        if state.module is not None:
+            state.module.to(device)  # the template: its slots are bound to the state's tensors
+        return moved
+
+    def move(self, batch: Any) -> Any:
+        if self.device.type == "cpu":
+            return batch
+        non_blocking = self.device.type == "cuda"
+        return pytree.tree_map(
+            lambda x: x.to(self.device, non_blocking=non_blocking) if isinstance(x, Tensor) else x,
+            batch,
+        )
+
+    def rng_devices(self, state: TrainState) -> tuple[int, ...]:
+        if self.device.type != "cuda":
+            return ()
+        return (
+            self.device.index if self.device.index is not None else torch.cuda.current_device(),
+        )
+
+
+def _on(t: Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+class Float32(Transform):
+    """Full float32 precision (Lightning's ``"32-true"``): every hook is the identity."""
+
+
+class Clip(Transform):
+    """A stateless gradient transformation before the optimizer (``gradient_clip_val``).
+
+    Example:
+        >>> from engine import optim
+        >>> Clip(optim.clip_by_global_norm(1.0)).gradients() is not None
+        True
+    """
+
+    def __init__(self, transformation: GradientTransformation) -> None:
+        if not isinstance(transformation, GradientTransformation) or transformation.init(
+            {}
+        ) not in ((), None):
+            raise TypeError(
+                f"Clip takes a stateless GradientTransformation such as "
+                f"optim.clip_by_global_norm(1.0) (got {transformation!r}); put stateful "
+                "transforms in the optimizer"
+            )
+        self.transformation = transformation
+
+    def gradients(self) -> GradientTransformation:
+        return self.transformation
+
+
+class Compile(Transform):
+    """Compile each pure core of a step with ``torch.compile`` (forward, backward and the
+    optimizer update in one graph), with the given ``torch.compile`` options."""
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self.options = dict(options or {})
+
+    def wrap_core(self, core: Callable) -> Callable:
+        return compile_core(core, self.options)
+
+
+class DetectAnomaly(Transform):
+    """Run each core under ``torch.autograd.detect_anomaly()``: a NaN made in backward raises,
+    naming the backward function and the forward line that made it."""
+
+    def wrap_core(self, core: Callable) -> Callable:
+        def detecting(*args: Any) -> Any:
+            with torch.autograd.detect_anomaly():
+                return core(*args)
+
+        return detecting

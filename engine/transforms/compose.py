@@ -1,0 +1,226 @@
+"""``compose``: the one place the order of the step transforms is declared.
+
+::
+
+    placement -> precision -> clip -> detect_anomaly -> compile
+
+Earlier is closer to the outside world: ``prepare`` and ``move`` run in this order (place the
+state and the batch on the device, then cast them there), and each ``wrap_*`` hook of an earlier
+transform wraps those of the later ones. So the precision's loss scaling wraps the gradient
+computation (a data-parallel all-reduce, placed after it, reduces the scaled gradients right after
+backward, as DDP's hooks do, so every rank's finite check sees the same gradients); its
+``wrap_update`` unscales and checks the gradients before the ``gradients`` chain clips them
+(``torch.amp.GradScaler``'s order: unscale, clip, step); anomaly detection wraps the compiled
+core, never the reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from engine.optim.base import GradientTransformation, chain
+from engine.state import TrainState
+from engine.step import (
+    EvalStep,
+    GradFn,
+    LossFn,
+    PredictStep,
+    TrainStep,
+    UpdateFn,
+    _call_model,
+    grad_core,
+    update_core,
+)
+from engine.transforms.base import Transform
+from engine.transforms.common import Clip, Compile, DetectAnomaly, Float32, SingleDevice
+
+__all__ = ["Pipeline", "compose"]
+
+
+def compose(
+    *,
+    placement: Transform | None = None,
+    precision: Transform | None = None,
+    clip: GradientTransformation | Transform | None = None,
+    accumulate: int = 1,
+    compile: bool | Mapping[str, Any] | Transform = False,
+    detect_anomaly: bool | Transform = False,
+) -> Pipeline:
+    """The step transforms of a run, in the one order (see the module's docstring).
+
+    Args:
+        placement: where the state lives and batches go; default :class:`SingleDevice` (the
+            CPU).
+        precision: the precision policy; default :class:`Float32`.
+        clip: a stateless gradient transformation run before the optimizer (the Trainer's
+            ``gradient_clip_val``: ``optim.clip_by_global_norm(v)``), or a :class:`Clip`.
+        accumulate: micro-batches per optimizer step (``accumulate_grad_batches``).
+        compile: ``True`` or ``torch.compile`` options: compile each pure core.
+        detect_anomaly: run the cores under ``torch.autograd.detect_anomaly()``.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> import engine as eg
+        >>> from engine import optim, transforms
+        >>> tx = optim.adam(1e-2)
+        >>> pipeline = transforms.compose(clip=optim.clip_by_global_norm(1.0), accumulate=2)
+        >>> pipeline
+        Pipeline(SingleDevice(device=device(type='cpu')), Float32(), Clip(...), accumulate=2)
+        >>> state = pipeline.prepare(eg.TrainState.create(torch.nn.Linear(3, 1), tx))
+        >>> step = pipeline.train_step(lambda m, b: F.mse_loss(m(b[0]), b[1]), tx)
+        >>> for _ in range(4):
+        ...     batch = pipeline.move((torch.randn(4, 3), torch.randn(4, 1)))
+        ...     state, metrics = step(state, batch)
+        >>> state.step
+        2
+    """
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"compose(accumulate={accumulate!r}): pass an int >= 1")
+    stages: list[Transform | None] = [  # THE ORDER
+        placement if placement is not None else SingleDevice(),
+        precision if precision is not None else Float32(),
+        clip if isinstance(clip, Transform) or clip is None else Clip(clip),
+        detect_anomaly
+        if isinstance(detect_anomaly, Transform)
+        else _flag(DetectAnomaly, detect_anomaly),
+        compile if isinstance(compile, Transform) else _compile(compile),
+    ]
+    for t in stages:
+        if t is not None and not isinstance(t, Transform):
+            raise TypeError(f"compose(): {t!r} is not an engine.transforms.Transform")
+    return Pipeline(tuple(t for t in stages if t is not None), accumulate)
+
+
+def _flag(kind: Callable[[], Transform], on: bool) -> Transform | None:
+    if not isinstance(on, bool):
+        raise TypeError(f"compose(): expected True or False (got {on!r})")
+    return kind() if on else None
+
+
+def _compile(value: bool | Mapping[str, Any]) -> Transform | None:
+    if value is False:
+        return None
+    if value is True:
+        return Compile()
+    if isinstance(value, Mapping):
+        return Compile(value)
+    raise TypeError(f"compose(compile={value!r}): pass True, False or torch.compile options")
+
+
+def _overrides(t: Transform, hook: str) -> bool:
+    return getattr(type(t), hook) is not getattr(Transform, hook)
+
+
+@attrs.frozen
+class Pipeline:
+    """Step transforms composed in their order (outermost first); built by :func:`compose`.
+
+    ``prepare`` the state once, ``move`` each batch, and build the steps with
+    :meth:`train_step` / :meth:`eval_step` / :meth:`predict_step`: the Trainer does exactly
+    this with the pipeline its flags describe, so a custom loop that does the same gets the
+    Trainer's results bitwise.
+    """
+
+    transforms: tuple[Transform, ...]
+    accumulate: int = 1
+    _movers: tuple[Callable[[Any], Any], ...] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        movers = tuple(t.move for t in self.transforms if _overrides(t, "move"))
+        object.__setattr__(self, "_movers", movers)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(t) for t in self.transforms)
+        return f"Pipeline({inner}, accumulate={self.accumulate})"
+
+    def prepare(self, state: TrainState) -> TrainState:
+        """The state made ready for the steps: each transform's ``prepare``, in order."""
+        for t in self.transforms:
+            state = t.prepare(state)
+        return state
+
+    def move(self, batch: Any) -> Any:
+        """A batch made ready for a step: each transform's ``move``, in order."""
+        for move in self._movers:
+            batch = move(batch)
+        return batch
+
+    def grad_fn(self) -> GradFn:
+        """:func:`engine.step.grad_core` wrapped by every ``wrap_grad``."""
+        fn: GradFn = grad_core
+        for t in reversed(self.transforms):
+            fn = t.wrap_grad(fn)
+        return fn
+
+    def update_fn(self, tx: GradientTransformation) -> UpdateFn:
+        """``tx`` after the ``gradients`` chain, wrapped by every ``wrap_update``."""
+        parts = [g for t in self.transforms if (g := t.gradients()) is not None]
+        gradients = None if not parts else parts[0] if len(parts) == 1 else chain(*parts)
+        fn = update_core(tx, gradients)
+        for t in reversed(self.transforms):
+            fn = t.wrap_update(fn)
+        return fn
+
+    def wrap_core(self, core: Callable) -> Callable:
+        """A pure core wrapped by every ``wrap_core`` (compiled, under anomaly detection)."""
+        for t in reversed(self.transforms):
+            core = t.wrap_core(core)
+        return core
+
+    def rng_devices(self, state: TrainState) -> tuple[int, ...]:
+        """The CUDA devices whose generators a step seeds besides the CPU's."""
+        for t in self.transforms:
+            devices = getattr(t, "rng_devices", None)
+            if devices is not None:
+                return tuple(devices(state))
+        return ()
+
+    def train_step(
+        self,
+        loss_fn: LossFn,
+        tx: GradientTransformation,
+        *,
+        donate: bool = True,
+        grad_norm: bool = False,
+    ) -> TrainStep:
+        """The training step of ``loss_fn`` and ``tx`` under these transforms (see
+        :func:`engine.train_step` for ``donate`` and ``grad_norm``)."""
+        return TrainStep(
+            loss_fn,
+            tx,
+            accumulate=self.accumulate,
+            donate=donate,
+            grad_norm=grad_norm,
+            grad_fn=self.grad_fn(),
+            update_fn=self.update_fn(tx),
+            wrap_core=self.wrap_core,
+            rng_devices=self.rng_devices,
+        )
+
+    def eval_step(self, fn: Callable[[Any, Any], Any], *, inference_mode: bool = True) -> EvalStep:
+        """The evaluation step of ``fn`` under these transforms (:func:`engine.eval_step`)."""
+        return EvalStep(
+            self._eval_fn(fn),
+            inference_mode=inference_mode,
+            wrap_core=self.wrap_core,
+            rng_devices=self.rng_devices,
+        )
+
+    def predict_step(
+        self, fn: Callable[[Any, Any], Any] | None = None, *, inference_mode: bool = True
+    ) -> PredictStep:
+        """The prediction step of ``fn`` (default ``model(batch)``) under these transforms."""
+        return PredictStep(
+            self._eval_fn(fn or _call_model),
+            inference_mode=inference_mode,
+            wrap_core=self.wrap_core,
+            rng_devices=self.rng_devices,
+        )
+
+    def _eval_fn(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        for t in reversed(self.transforms):
+            fn = t.wrap_eval(fn)
+        return fn

@@ -1,0 +1,238 @@
+"""Step transforms: one declared order, a custom loop equal to the Trainer's flags bitwise, and a
+seam that carries a dynamic loss scale (its state in ``TrainState.precision``, a skipped step)
+exactly as ``torch.amp.GradScaler`` runs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import engine as eg
+from engine import checkpoint, optim, transforms
+from engine.transforms import Transform
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 3))
+
+
+def _data(n: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(n)
+    ]
+
+
+def _loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_a_custom_loop_composing_the_transforms_equals_the_trainers_flags_bitwise(algorithm):
+    tx = optim.adamw(optim.warmup_cosine(1e-2, warmup_steps=2, total_steps=12))
+    task = eg.Task(_loss, tx)
+    epochs, accumulate, clip = 3, 3, 0.05
+    trainer = eg.Trainer(
+        max_epochs=epochs,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        gradient_clip_algorithm=algorithm,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        enable_journal=False,
+    )
+    by_flags = trainer.fit(task, task.init(_model(), seed=3), _data())
+
+    by_hand = optim.clip_by_global_norm if algorithm == "norm" else optim.clip_by_value
+    pipeline = transforms.compose(clip=by_hand(clip), accumulate=accumulate)
+    state = pipeline.prepare(eg.TrainState.create(_model(), tx, seed=3))
+    step = pipeline.train_step(_loss, tx)
+    data = _data()
+    for _ in range(epochs):
+        for i, batch in enumerate(data):  # Lightning steps the optimizer on an epoch's last batch
+            state, _ = step(state, pipeline.move(batch), flush=i == len(data) - 1)
+        state = state.replace(epoch=state.epoch + 1, batch_idx=0)
+    assert state.step == by_flags.step == epochs * 3  # 7 batches: windows of 3, 3 and 1
+    assert state.fingerprint() == by_flags.fingerprint()
+
+
+def test_the_engine_step_builders_are_the_default_pipeline():
+    tx = optim.sgd(0.1, momentum=0.9)
+    pipeline = transforms.compose(clip=optim.clip_by_global_norm(0.1), accumulate=2)
+    a = pipeline.train_step(_loss, tx)
+    b = eg.train_step(_loss, tx, clip=optim.clip_by_global_norm(0.1), accumulate=2)
+    sa, sb = (eg.TrainState.create(_model(), tx, seed=1) for _ in range(2))
+    for batch in _data(5):
+        sa, ma = a(sa, batch)
+        sb, mb = b(sb, batch)
+        assert torch.equal(ma["loss"], mb["loss"])
+    assert sa.fingerprint() == sb.fingerprint()
+    evaluate = pipeline.eval_step(_loss)
+    assert torch.equal(
+        evaluate(sa, _data()[0])["loss"], eg.eval_step(_loss)(sb, _data()[0])["loss"]
+    )
+
+
+class _Recorder(Transform):
+    """Records the order in which its hooks run, under its name."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def prepare(self, state):
+        self.log.append(f"prepare {self.name}")
+        return state
+
+    def move(self, batch):
+        self.log.append(f"move {self.name}")
+        return batch
+
+    def wrap_grad(self, inner):
+        def grad_fn(*args):
+            self.log.append(f"grad {self.name} >")
+            out = inner(*args)
+            self.log.append(f"grad {self.name} <")
+            return out
+
+        return grad_fn
+
+    def wrap_update(self, inner):
+        def update(*args):
+            self.log.append(f"update {self.name}")
+            return inner(*args)
+
+        return update
+
+    def wrap_core(self, inner):
+        def core(*args):
+            self.log.append(f"core {self.name}")
+            return inner(*args)
+
+        return core
+
+
+def test_compose_applies_every_hook_in_the_one_declared_order():
+    log: list[str] = []
+    pipeline = transforms.compose(
+        placement=_Recorder("placement", log),
+        precision=_Recorder("precision", log),
+        detect_anomaly=_Recorder("anomaly", log),
+        compile=_Recorder("compile", log),
+    )
+    tx = optim.sgd(0.1)
+    state = pipeline.prepare(eg.TrainState.create(_model(), tx))
+    batch = pipeline.move(_data(1)[0])
+    pipeline.train_step(_loss, tx)(state, batch)
+    assert log == [
+        "prepare placement", "prepare precision", "prepare anomaly", "prepare compile",
+        "move placement", "move precision", "move anomaly", "move compile",
+        # outermost first: anomaly detection wraps the compiled core, never the reverse
+        "core placement", "core precision", "core anomaly", "core compile",
+        # the precision wraps the gradient computation (a loss scale around backward) ...
+        "grad placement >", "grad precision >", "grad anomaly >", "grad compile >",
+        "grad compile <", "grad anomaly <", "grad precision <", "grad placement <",
+        # ... and the update, before the gradients chain (unscale before clipping)
+        "update placement", "update precision", "update anomaly", "update compile",
+    ]  # fmt: skip
+
+
+def test_compose_refuses_what_is_not_a_transform():
+    with pytest.raises(TypeError, match=r"not an engine\.transforms\.Transform"):
+        transforms.compose(precision="bf16-mixed")
+    with pytest.raises(ValueError, match=r"compose\(accumulate=0\)"):
+        transforms.compose(accumulate=0)
+    with pytest.raises(TypeError, match="stateless"):
+        transforms.compose(clip=optim.adam(1e-3))
+
+
+# ------------------------------------------- the seam carries a dynamic loss scale (issue 11)
+
+
+class _LossScale(Transform):
+    """Dynamic loss scaling with ``torch.amp.GradScaler``'s own kernels, its state in
+    ``TrainState.precision``: the shape the 16-mixed precision takes on this seam."""
+
+    def __init__(self, init_scale: float, growth_interval: int) -> None:
+        self.init_scale, self.growth_interval = init_scale, growth_interval
+
+    def prepare(self, state):
+        if state.precision is not None:
+            return state
+        return state.replace(
+            precision={
+                "scale": torch.full((), self.init_scale),
+                "growth_tracker": torch.zeros((), dtype=torch.int32),
+            }
+        )
+
+    def wrap_grad(self, inner):
+        def grad_fn(forward, params, accumulate, precision):
+            kept = {}
+
+            def scaled():
+                loss, aux = forward()
+                kept["loss"] = loss
+                return loss * precision["scale"], aux
+
+            grads, _, aux = inner(scaled, params, accumulate, precision)
+            return grads, kept["loss"], aux
+
+        return grad_fn
+
+    def wrap_update(self, inner):
+        def update(grads, params, opt_state, precision, step):
+            scale, tracker = precision["scale"].clone(), precision["growth_tracker"].clone()
+            found_inf = torch.zeros(())
+            inv = scale.double().reciprocal().float()
+            torch._amp_foreach_non_finite_check_and_unscale_(list(grads.values()), found_inf, inv)
+            if not found_inf.item():  # a skipped step leaves parameters and optimizer state alone
+                opt_state, _ = inner(grads, params, opt_state, precision, step)
+            torch._amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, self.growth_interval)
+            return opt_state, {"scale": scale, "growth_tracker": tracker}
+
+        return update
+
+
+def test_the_seam_carries_a_dynamic_loss_scale_exactly_as_grad_scaler_runs_it(tmp_path):
+    data = _data(10)
+    poisoned = {2, 3, 7}  # batches whose loss overflows: their steps are skipped
+    for i in poisoned:
+        data[i] = (data[i][0].clone().fill_(float("inf")), data[i][1])
+
+    def plain() -> nn.Module:  # no dropout: the raw loop's randomness is not the step's
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    loss_fn = _loss
+    model = plain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scales = []
+    for batch in data:
+        opt.zero_grad()
+        scaler.scale(loss_fn(model, batch)).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+
+    tx = optim.sgd(0.1)
+    pipeline = transforms.compose(precision=_LossScale(2.0**10, growth_interval=2))
+    state = pipeline.prepare(eg.TrainState.create(plain(), tx))
+    step = pipeline.train_step(loss_fn, tx)
+    ours = []
+    for i, batch in enumerate(data):
+        state, metrics = step(state, pipeline.move(batch))
+        ours.append(float(state.precision["scale"]))
+        assert torch.isfinite(metrics["loss"]) == (i not in poisoned)  # the unscaled loss
+        if i == 4:  # the loss scale's state round-trips through a checkpoint mid-run
+            path = checkpoint.save(state, tmp_path / "c")
+            state = checkpoint.load(path, pipeline.prepare(eg.TrainState.create(plain(), tx)))
+    assert ours == scales and min(scales) < 2.0**10 < max(scales)  # backed off and grew
+    for name, p in model.named_parameters():
+        assert torch.equal(state.params[name], p.detach()), name
