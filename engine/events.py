@@ -40,6 +40,8 @@ class Event(str, enum.Enum):
     ON_TRAIN_START = "on_train_start"
     ON_TRAIN_EPOCH_START = "on_train_epoch_start"
     ON_TRAIN_BATCH_START = "on_train_batch_start"
+    ON_BEFORE_BACKWARD = "on_before_backward"
+    ON_AFTER_BACKWARD = "on_after_backward"
     ON_BEFORE_OPTIMIZER_STEP = "on_before_optimizer_step"
     ON_TRAIN_BATCH_END = "on_train_batch_end"
     ON_VALIDATION_START = "on_validation_start"
@@ -94,6 +96,12 @@ class EventRecord:
         outputs: the step's metrics (tensors) for ``*_batch_end``; predictions for predict.
         batch: the batch, for batch events.
         exception: the exception, for ``on_exception``.
+        loss: for ``on_before_backward``, the micro-batch's loss (a tensor, before any loss
+            scale or accumulation divisor).
+        grads: read-only ``{name: tensor}``: for ``on_after_backward`` this micro-batch's
+            gradients (of ``loss / accumulate_grad_batches``), for ``on_before_optimizer_step``
+            the accumulation window's summed gradients before clipping. Read them; changing
+            them in place changes the step.
         checkpoint_path: the checkpoint being written or read, for ``on_save_checkpoint`` /
             ``on_load_checkpoint``.
         checkpoint_future: for ``on_save_checkpoint`` of an asynchronous save, a future of the
@@ -115,6 +123,8 @@ class EventRecord:
     outputs: Any = None
     batch: Any = None
     exception: BaseException | None = None
+    loss: Any = None
+    grads: Mapping[str, Any] | None = None
     checkpoint_path: str | None = None
     checkpoint_future: Future[Path] | None = None
 

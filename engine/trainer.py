@@ -523,7 +523,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             self._report_late_signal()
         return self._state
 
-    def _pipeline(self) -> transforms.Pipeline:
+    def _pipeline(self, *, fit: bool = False) -> transforms.Pipeline:
         """The step transforms the flags describe (``engine.transforms.compose``): a custom
         loop that composes the same gets this Trainer's results bitwise."""
         clip = None
@@ -532,11 +532,50 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
                 clip_by_global_norm if self.gradient_clip_algorithm == "norm" else clip_by_value
             )(float(self.gradient_clip_val))
         return transforms.compose(
-            clip=clip, accumulate=self.accumulate_grad_batches, compile=self.compile
+            observe=self._observer() if fit else None,
+            clip=clip,
+            accumulate=self.accumulate_grad_batches,
+            compile=self.compile,
+        )
+
+    def _observer(self) -> transforms.Observe | None:
+        """Lightning's hooks inside the step, where it calls them (after the forward pass, after
+        backward, before the optimizer step), when a listener has them; else none, and the
+        step stays one call (one graph under ``compile``)."""
+        wanted = [e for e in _STEP_EVENTS if self._emitter.wants(e)]
+        if not wanted:
+            return None
+        if self.compile:
+            names = ", ".join(e.value for e in wanted)
+            raise ValueError(
+                f"Trainer(compile=...): listeners of {names} run inside the step, which "
+                "compile=True makes one graph; drop compile or those listeners"
+            )
+
+        def at(event: Event, **fields: Any) -> None:
+            assert self._state is not None
+            self._emit(event, batch_idx=self._state.batch_idx, **fields)
+
+        def named(grads: Any) -> Mapping[str, Any]:
+            assert self._state is not None
+            return MappingProxyType(dict(zip(self._state.params, grads, strict=True)))
+
+        return transforms.Observe(
+            before_backward=(lambda loss: at(Event.ON_BEFORE_BACKWARD, loss=loss.detach()))
+            if Event.ON_BEFORE_BACKWARD in wanted
+            else None,
+            after_backward=(lambda g: at(Event.ON_AFTER_BACKWARD, grads=named(g)))
+            if Event.ON_AFTER_BACKWARD in wanted
+            else None,
+            before_optimizer_step=(
+                lambda g: at(Event.ON_BEFORE_OPTIMIZER_STEP, grads=MappingProxyType(dict(g)))
+            )
+            if Event.ON_BEFORE_OPTIMIZER_STEP in wanted
+            else None,
         )
 
     def _fit(self, task: Task, train_loader: Any, val_loaders: list[Any], dm: Any) -> None:
-        pipeline = self._transforms = self._pipeline()
+        pipeline = self._transforms = self._pipeline(fit=True)
         assert self._state is not None
         self._state = pipeline.prepare(self._state)
         step = self._timed("train_step", task.train_step(transforms=pipeline))
@@ -688,8 +727,6 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             self._data_position = position
             self._emit(Event.ON_TRAIN_BATCH_START, batch=batch, batch_idx=batch_idx)
             steps = is_last or (batch_idx + 1) % self.accumulate_grad_batches == 0
-            if steps:
-                self._emit(Event.ON_BEFORE_OPTIMIZER_STEP, batch_idx=batch_idx)
             self._state, metrics = step(self._state, batch, flush=is_last)
             if track:
                 assert reducer is not None
@@ -963,6 +1000,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             return None
         return outputs[0] if len(outputs) == 1 else outputs
 
+
+_STEP_EVENTS = (Event.ON_BEFORE_BACKWARD, Event.ON_AFTER_BACKWARD, Event.ON_BEFORE_OPTIMIZER_STEP)
 
 _EVAL_EVENTS = {
     kind: {

@@ -2,9 +2,11 @@
 the same hooks, in the same order, with the same batch indices, ``global_step`` and
 ``current_epoch``, and end with the same counters.
 
-Hooks that in Lightning run inside the step (``on_before_zero_grad``, ``on_before_backward``,
-``on_after_backward``) have no event in engine (they are gradient transformations there), so
-they are dropped from Lightning's sequence before comparing.
+The sequence includes ``training_step`` (the user's loss function, on engine's side) and the
+hooks Lightning calls inside the step, ``on_before_backward``, ``on_after_backward`` and
+``on_before_optimizer_step``: engine calls them where Lightning does, through the step transform
+``engine.transforms.Observe``. ``on_before_zero_grad`` has no counterpart (a pure step has no
+gradients to zero) and is dropped from Lightning's sequence.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from engine import optim
 
 pl = pytest.importorskip("pytorch_lightning")
 
-INSIDE_THE_STEP = {"on_before_zero_grad", "on_before_backward", "on_after_backward"}
+INSIDE_THE_STEP = {"on_before_zero_grad"}
 NOT_COMPARED = INSIDE_THE_STEP | {"on_save_checkpoint", "on_load_checkpoint", "on_exception"}
 
 
@@ -96,6 +98,7 @@ def _lightning_run(kwargs, loaders, stop_at=None):
             self.layer = torch.nn.Linear(2, 1)
 
         def training_step(self, batch, batch_idx):
+            calls.append(_row("training_step", self.trainer, batch_idx))
             return self.layer(batch[0]).pow(2).mean()
 
         def validation_step(self, batch, batch_idx, dataloader_idx=0):
@@ -127,9 +130,13 @@ def _engine_run(kwargs, loaders, stop_at=None):
     class Recorder(eg.Listener):
         pass
 
+    now = {}  # the trainer and the batch index, for the loss function's row
+
     def make(name):
         def handle(self, rec):
             t = rec.trainer
+            if name == "on_train_batch_start":
+                now.update(trainer=t, batch_idx=rec.batch_idx)
             if name.endswith("_batch_start") or name.endswith("_batch_end"):
                 di = None if "train" in name else rec.dataloader_idx
                 calls.append(_row(name, t, rec.batch_idx, di))
@@ -144,8 +151,12 @@ def _engine_run(kwargs, loaders, stop_at=None):
     for ev in eg.Event:
         setattr(Recorder, ev.value, make(ev.value))
 
+    def training_step(m, b):
+        calls.append(_row("training_step", now["trainer"], now["batch_idx"]))
+        return m(b[0]).pow(2).mean()
+
     task = eg.Task(
-        lambda m, b: m(b[0]).pow(2).mean(),
+        training_step,
         optim.sgd(0.1),
         eval_fn=lambda m, b: {"v": m(b[0]).mean()},
     )

@@ -14,12 +14,14 @@ Trainer's results bitwise::
 from engine.transforms.base import Transform
 from engine.transforms.common import Clip, Compile, DetectAnomaly, Float32, SingleDevice
 from engine.transforms.compose import Pipeline, compose
+from engine.transforms.observe import Observe
 
 __all__ = [
     "Clip",
     "Compile",
     "DetectAnomaly",
     "Float32",
+    "Observe",
     "Pipeline",
     "SingleDevice",
     "Transform",

@@ -2,7 +2,7 @@
 
 ::
 
-    placement -> precision -> clip -> detect_anomaly -> compile
+    placement -> precision -> observe -> clip -> detect_anomaly -> compile
 
 Earlier is closer to the outside world: ``prepare`` and ``move`` run in this order (place the
 state and the batch on the device, then cast them there), and each ``wrap_*`` hook of an earlier
@@ -10,8 +10,10 @@ transform wraps those of the later ones. So the precision's loss scaling wraps t
 computation (a data-parallel all-reduce, placed after it, reduces the scaled gradients right after
 backward, as DDP's hooks do, so every rank's finite check sees the same gradients); its
 ``wrap_update`` unscales and checks the gradients before the ``gradients`` chain clips them
-(``torch.amp.GradScaler``'s order: unscale, clip, step); anomaly detection wraps the compiled
-core, never the reverse.
+(``torch.amp.GradScaler``'s order: unscale, clip, step); Lightning's step hooks (``observe``)
+see the loss and the gradients inside the precision, as Lightning's do (scaled after backward,
+unscaled before the optimizer step, before clipping); anomaly detection wraps the compiled core,
+never the reverse.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def compose(
     *,
     placement: Transform | None = None,
     precision: Transform | None = None,
+    observe: Transform | None = None,
     clip: GradientTransformation | Transform | None = None,
     accumulate: int = 1,
     compile: bool | Mapping[str, Any] | Transform = False,
@@ -55,6 +58,8 @@ def compose(
         placement: where the state lives and batches go; default :class:`SingleDevice` (the
             CPU).
         precision: the precision policy; default :class:`Float32`.
+        observe: callbacks inside the step (an :class:`Observe`): Lightning's
+            ``on_before_backward`` / ``on_after_backward`` / ``on_before_optimizer_step``.
         clip: a stateless gradient transformation run before the optimizer (the Trainer's
             ``gradient_clip_val``: ``optim.clip_by_global_norm(v)``), or a :class:`Clip`.
         accumulate: micro-batches per optimizer step (``accumulate_grad_batches``).
@@ -82,6 +87,7 @@ def compose(
     stages: list[Transform | None] = [  # THE ORDER
         placement if placement is not None else SingleDevice(),
         precision if precision is not None else Float32(),
+        observe,
         clip if isinstance(clip, Transform) or clip is None else Clip(clip),
         detect_anomaly
         if isinstance(detect_anomaly, Transform)
