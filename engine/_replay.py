@@ -470,6 +470,11 @@ def _load_run(root: Path, data: Any) -> tuple[Any, TrainState, Any, dict[str, An
                 "or its task could not be pickled (see the warning of that run)"
             )
     task = loads_code((root / TASK).read_bytes())
+    if task.tx is None:
+        raise ReplayError(
+            f"{root / TASK}: the task has a step_fn and no tx, so the optimizer state's "
+            "structure cannot be rebuilt; give Task(step_fn=..., tx=...) to replay its runs"
+        )
     template = load_skeleton((root / MODEL).read_bytes(), task.tx)
     if data is None:
         if not (root / DATA).is_file():

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from engine.optim.base import GradientTransformation, ScheduleLike
 from engine.state import TrainState
 from engine.step import (
+    CustomStep,
     EvalStep,
     LossFn,
     PredictStep,
@@ -47,6 +48,10 @@ class Task:
         loss_fn: ``loss_fn(model, batch) -> loss`` or ``(loss, metrics)`` (Lightning's
             ``training_step``).
         tx: the optimizer (Lightning's ``configure_optimizers``).
+        step_fn: instead of ``loss_fn``, your own pure training step
+            ``step_fn(state, batch) -> (state, metrics)`` (Lightning's manual optimization:
+            several optimizers, as a GAN's, updated in one step); see
+            :class:`~engine.step.CustomStep`. ``tx`` is then optional (:meth:`init` uses it).
         eval_fn: ``eval_fn(model, batch)`` for validation: a loss, ``(loss, metrics)`` or a dict
             of metrics. Defaults to ``loss_fn``.
         test_fn: the same for ``Trainer.test``; defaults to ``eval_fn``.
@@ -72,9 +77,10 @@ class Task:
         1
     """
 
-    loss_fn: LossFn
-    tx: GradientTransformation = attrs.field(
-        validator=attrs.validators.instance_of(GradientTransformation)
+    loss_fn: LossFn | None = None
+    tx: GradientTransformation | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.instance_of(GradientTransformation)),
     )
     eval_fn: Callable[[Any, Any], Any] | None = None
     test_fn: Callable[[Any, Any], Any] | None = None
@@ -84,17 +90,45 @@ class Task:
     reduce: Mapping[str, str] = attrs.field(factory=dict, validator=_check_reduce)
     grad_norm: bool = False
     hparams: Mapping[str, Any] = attrs.field(factory=dict)
+    step_fn: Callable[[TrainState, Any], tuple[TrainState, Mapping[str, Any]]] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.step_fn is None:
+            if not callable(self.loss_fn):
+                raise TypeError(
+                    f"Task(loss_fn=...) must be callable (got {self.loss_fn!r}); or pass "
+                    "step_fn=, your own pure train step"
+                )
+            if self.tx is None:
+                raise TypeError("Task(loss_fn, tx): tx (the optimizer) is missing")
+        else:
+            if self.loss_fn is not None:
+                raise TypeError(
+                    "Task(loss_fn=..., step_fn=...): give one; step_fn is a whole train step, "
+                    "loss_fn one the Trainer builds"
+                )
+            if not callable(self.step_fn):
+                raise TypeError(f"Task(step_fn=...) must be callable (got {self.step_fn!r})")
 
     def init(
         self, model: nn.Module | Mapping[str, Tensor], *, seed: int = 0, **kwargs: Any
     ) -> TrainState:
         """``TrainState.create(model, self.tx, seed=seed, **kwargs)``."""
+        if self.tx is None:
+            raise ValueError(
+                "Task.init needs the task's tx; give Task(step_fn=..., tx=...) or create the "
+                "state with TrainState.create(model, tx)"
+            )
         return TrainState.create(model, self.tx, seed=seed, **kwargs)
 
-    def train_step(self, *, transforms: Any = None, **kwargs: Any) -> TrainStep:
+    def train_step(self, *, transforms: Any = None, **kwargs: Any) -> TrainStep | CustomStep:
         """``engine.train_step(self.loss_fn, self.tx, **kwargs)``; with ``transforms`` (an
         :class:`engine.transforms.Pipeline`), ``transforms.train_step(self.loss_fn, self.tx,
-        **kwargs)``."""
+        **kwargs)``; with ``step_fn``, a :class:`~engine.step.CustomStep` of it."""
+        if self.step_fn is not None:  # the user's own: the transforms only seed and place it
+            rng_devices = None if transforms is None else transforms.rng_devices
+            return CustomStep(self.step_fn, rng_devices=rng_devices)
+        assert self.loss_fn is not None and self.tx is not None
         kwargs.setdefault("grad_norm", self.grad_norm)
         if transforms is not None:
             return transforms.train_step(self.loss_fn, self.tx, **kwargs)
@@ -116,6 +150,11 @@ class Task:
 
     @staticmethod
     def _inference(build: Any, fn: Any, transforms: Any, kwargs: dict[str, Any]) -> Any:
+        if fn is None and build is not predict_step:
+            raise ValueError(
+                "this Task has no evaluation function: a custom step_fn does not evaluate; "
+                "give Task(eval_fn=...) (and test_fn=) to validate or test"
+            )
         if transforms is None:
             return build(fn, **kwargs)
         method = transforms.predict_step if build is predict_step else transforms.eval_step

@@ -545,6 +545,12 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         wanted = [e for e in _STEP_EVENTS if self._emitter.wants(e)]
         if not wanted:
             return None
+        if self.task is not None and self.task.step_fn is not None:
+            names = ", ".join(e.value for e in wanted)
+            raise ValueError(
+                f"listeners of {names} run inside a step the Trainer builds from loss_fn; a "
+                "custom step_fn is the user's own, so call such code from inside it"
+            )
         if self.compile:
             names = ", ".join(e.value for e in wanted)
             raise ValueError(
@@ -575,13 +581,19 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         )
 
     def _fit(self, task: Task, train_loader: Any, val_loaders: list[Any], dm: Any) -> None:
+        if task.step_fn is not None:
+            _check_custom_step(self)
         pipeline = self._transforms = self._pipeline(fit=True)
         assert self._state is not None
         self._state = pipeline.prepare(self._state)
         step = self._timed("train_step", task.train_step(transforms=pipeline))
-        evaluate = self._timed(
-            "validation_step",
-            task.eval_step(transforms=pipeline, inference_mode=self.inference_mode),
+        evaluate = (  # a task with a custom step_fn may have nothing to validate with
+            self._timed(
+                "validation_step",
+                task.eval_step(transforms=pipeline, inference_mode=self.inference_mode),
+            )
+            if val_loaders or task.step_fn is None
+            else None
         )
         self.num_val_batches = [
             limit_batches("val", count_batches(dl), self.limit_val_batches) for dl in val_loaders
@@ -999,6 +1011,25 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         if not keep:
             return None
         return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _check_custom_step(trainer: Trainer) -> None:
+    """The flags that act inside a step built from ``loss_fn`` cannot reach into a custom one."""
+    for flag, value, on in (
+        (
+            "accumulate_grad_batches",
+            trainer.accumulate_grad_batches,
+            trainer.accumulate_grad_batches > 1,
+        ),
+        ("gradient_clip_val", trainer.gradient_clip_val, bool(trainer.gradient_clip_val)),
+        ("compile", trainer.compile, bool(trainer.compile)),
+    ):
+        if on:
+            raise ValueError(
+                f"Trainer({flag}={value!r}) acts inside a train step built from loss_fn; the "
+                "task's step_fn is its own step: accumulate, clip (optim.clip_by_global_norm in "
+                "its optimizers) or compile inside it, and leave the flag at its default"
+            )
 
 
 _STEP_EVENTS = (Event.ON_BEFORE_BACKWARD, Event.ON_AFTER_BACKWARD, Event.ON_BEFORE_OPTIMIZER_STEP)

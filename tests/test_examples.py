@@ -38,3 +38,15 @@ def test_trainer_demo_on_digits_reaches_97_percent_and_writes_logs(tmp_path, cap
     last = eg.Journal.read(journal.parent)[-1]["step"]
     report = eg.replay(journal.parent, last - 25, last, trust_code=True)
     assert report.identical and report.steps >= 25, str(report)
+
+
+def test_gan_on_two_moons_learns_and_its_run_replays(tmp_path, capsys):
+    out = _load("gan").main(["--epochs", "60", "--seed", "0", "--root", str(tmp_path)])
+    # generated points end close to the moons (distances in standard deviations of the data)
+    assert out["step"] == 60 * 16 and out["after"] < 0.2 and out["after"] < out["before"] / 3
+    assert "before training" in capsys.readouterr().out
+    import engine as eg
+
+    (journal,) = tmp_path.rglob("journal.jsonl")
+    report = eg.replay(journal.parent, 400, 480, trust_code=True)
+    assert report.identical and report.steps >= 80, str(report)

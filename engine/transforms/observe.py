@@ -64,10 +64,10 @@ class Observe(Transform):
         if before is None and after is None:
             return grad_fn
 
-        def observed(forward, params, accumulate, precision):  # type: ignore[no-untyped-def]
+        def observed(forward, params, accumulate, precision):
             if before is not None:
 
-                def forward_then_call():  # type: ignore[no-untyped-def]
+                def forward_then_call():
                     loss, aux = forward()
                     before(loss)
                     return loss, aux
@@ -86,7 +86,7 @@ class Observe(Transform):
         if call is None:
             return update_fn
 
-        def observed(grads, params, opt_state, precision, step):  # type: ignore[no-untyped-def]
+        def observed(grads, params, opt_state, precision, step):
             call(grads)
             return update_fn(grads, params, opt_state, precision, step)
 
