@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import enum
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from engine.state import TrainState
     from engine.trainer import Trainer
 
-__all__ = ["Event", "EventRecord", "Listener", "Stop", "on"]
+__all__ = ["Event", "EventRecord", "Listener", "Stop", "check_listener", "on"]
 
 
 class Event(str, enum.Enum):
@@ -226,12 +227,57 @@ def on(
     return _FunctionListener(flt, fn)
 
 
+# Lightning Callback hooks engine has no event for, and why
+_NOT_EVENTS = {
+    "on_before_zero_grad": "a pure step has no .grad buffers to zero",
+    "on_validation_model_eval": "the eval step runs the module in eval mode itself",
+    "on_validation_model_train": "the train step runs the module in train mode itself",
+    "on_test_model_eval": "the eval step runs the module in eval mode itself",
+    "on_predict_model_eval": "the predict step runs the module in eval mode itself",
+}
+
+
+def check_listener(listener: Any) -> None:
+    """Refuse a listener with a handler named after no event (a typo, or a Lightning hook that
+    engine does not have), which would otherwise never be called.
+
+    A handler is a public callable attribute named ``on_*``, ``setup`` or ``teardown``.
+
+    Example:
+        >>> class Typo(Listener):
+        ...     def on_train_batch_edn(self, rec): ...
+        >>> check_listener(Typo())
+        Traceback (most recent call last):
+        ...
+        ValueError: Typo.on_train_batch_edn is not an engine event, ...on_train_batch_end? ...
+    """
+    names = {e.value for e in Event}
+    for attr in dir(listener):
+        if not attr.startswith("on_") or attr in names:
+            continue
+        if not callable(getattr(listener, attr, None)):
+            continue
+        owner = type(listener).__name__
+        why = _NOT_EVENTS.get(attr)
+        if why is not None:
+            hint = f"Lightning's {attr} has no engine event: {why}"
+        else:
+            close = difflib.get_close_matches(attr, sorted(names), n=1)
+            hint = f"did you mean {close[0]}?" if close else "see engine.Event for the events"
+        raise ValueError(
+            f"{owner}.{attr} is not an engine event, so it would never be called; {hint} "
+            "(rename it, or make it private with a leading underscore)"
+        )
+
+
 class Emitter:
     """Dispatches events to listeners; the handler table is built once, so an event nobody
     listens to costs one dict lookup."""
 
     def __init__(self, listeners: Iterable[Any]) -> None:
         self.listeners = list(listeners)
+        for listener in self.listeners:
+            check_listener(listener)
         # the event being dispatched and the index of the handler being called (a checkpoint
         # saved by a handler records who is yet to have the event: a resume calls them)
         self._event: Event | None = None
