@@ -1,6 +1,8 @@
-"""Validation and resolution of the Trainer's Lightning-style flags (private).
+"""Checks of the Trainer's Lightning-style flags (private), and the resolved flags as the
+Trainer's attributes.
 
-Every flag is checked at construction; an error names the flag, the value and what is accepted.
+Every flag is checked at construction (by :func:`engine.loop.resolve`); an error names the flag,
+the value and what is accepted.
 """
 
 from __future__ import annotations
@@ -10,25 +12,16 @@ import math
 import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.events import Event
 
+if TYPE_CHECKING:
+    from engine.loop import LoopConfig
+
 __all__: list[str] = []
-
-
-def run_config(trainer: Any) -> dict[str, Any]:
-    """The Trainer's resolved flags as JSON values (for checkpoints and the run directory)."""
-    keep = (int, float, str, bool, type(None))
-    config: dict[str, Any] = {
-        k: v for k, v in vars(trainer).items() if not k.startswith("_") and isinstance(v, keep)
-    }
-    if isinstance(trainer.compile, dict):
-        config["compile"] = dict(trainer.compile)
-    config["torch_version"] = torch.__version__
-    return config
 
 
 def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> Any:
@@ -265,3 +258,57 @@ def root_dir(value: Any) -> str:
             "(pathlib.Path), or None for the working directory"
         )
     return path or os.getcwd()
+
+
+def _flag(name: str) -> Any:
+    def get(self: Any) -> Any:
+        return getattr(self.config, name)
+
+    return property(get, doc=f"The resolved ``{name}`` flag: ``config.{name}`` (read-only).")
+
+
+class FlagViews:
+    """The resolved flags as read-only attributes of the Trainer, where Lightning has them:
+    ``trainer.max_epochs`` reads ``trainer.config.max_epochs`` (a frozen
+    :class:`~engine.loop.LoopConfig`, resolved once when the Trainer is built)."""
+
+    config: LoopConfig
+
+    accelerator: str = _flag("accelerator")
+    strategy: str = _flag("strategy")
+    devices: int | str | tuple[int, ...] = _flag("devices")
+    num_nodes: int = _flag("num_nodes")
+    precision: int | str | None = _flag("precision")
+    sync_batchnorm: bool = _flag("sync_batchnorm")
+    use_distributed_sampler: bool = _flag("use_distributed_sampler")
+    max_epochs: int = _flag("max_epochs")
+    min_epochs: int | None = _flag("min_epochs")
+    max_steps: int = _flag("max_steps")
+    min_steps: int | None = _flag("min_steps")
+    max_time: timedelta | None = _flag("max_time")
+    limit_train_batches: int | float = _flag("limit_train_batches")
+    limit_val_batches: int | float = _flag("limit_val_batches")
+    limit_test_batches: int | float = _flag("limit_test_batches")
+    limit_predict_batches: int | float = _flag("limit_predict_batches")
+    overfit_batches: int | float = _flag("overfit_batches")
+    val_check_interval: int | float = _flag("val_check_interval")
+    check_val_every_n_epoch: int | None = _flag("check_val_every_n_epoch")
+    num_sanity_val_steps: int | float = _flag("num_sanity_val_steps")
+    reload_dataloaders_every_n_epochs: int = _flag("reload_dataloaders_every_n_epochs")
+    accumulate_grad_batches: int = _flag("accumulate_grad_batches")
+    gradient_clip_val: int | float | None = _flag("gradient_clip_val")
+    gradient_clip_algorithm: str = _flag("gradient_clip_algorithm")
+    compile: bool | Mapping[str, Any] = _flag("compile")
+    inference_mode: bool = _flag("inference_mode")
+    deterministic: bool | str | None = _flag("deterministic")
+    benchmark: bool | None = _flag("benchmark")
+    detect_anomaly: bool = _flag("detect_anomaly")
+    fast_dev_run: int = _flag("fast_dev_run")
+    barebones: bool = _flag("barebones")
+    log_every_n_steps: int = _flag("log_every_n_steps")
+    enable_checkpointing: bool = _flag("enable_checkpointing")
+    enable_progress_bar: bool = _flag("enable_progress_bar")
+    enable_model_summary: bool = _flag("enable_model_summary")
+    enable_journal: bool = _flag("enable_journal")
+    profiler: str | None = _flag("profiler")
+    default_root_dir: str = _flag("default_root_dir")

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import checkpoint, data
-from engine._config import run_config
 from engine.events import Event
+from engine.loop import LoopConfig, Phase
 from engine.metrics import MetricReducer
 from engine.state import TrainState
 
@@ -32,6 +32,7 @@ class CheckpointingMixin:
     """Checkpoint and signal handling for the Trainer (which provides these attributes)."""
 
     callbacks: list[Any]
+    config: LoopConfig
     default_root_dir: str
     stage: str | None
     task: Any
@@ -47,8 +48,8 @@ class CheckpointingMixin:
     _total_batch_idx: int
     _reducer: MetricReducer | None
     _restored_reducer: MetricReducer | None
-    _phase: str
-    _resume_phase: str | None
+    _phase: Phase
+    _resume_phase: Phase | None
     _resume_event: tuple[Event, list[str]] | None
     _emitter: Any
     _data_position: Any
@@ -61,7 +62,7 @@ class CheckpointingMixin:
             self, event: Event, only: Collection[int] | None = None, **fields: Any
         ) -> None: ...
 
-        def _should_validate(self, batch_idx: int, total: int, is_last: bool) -> bool: ...
+        def _validates_after(self, batch_idx: int, is_last: bool) -> bool: ...
 
         def _reload_val_loaders(self, val_loaders: list[Any], dm: Any) -> list[Any]: ...
 
@@ -163,7 +164,7 @@ class CheckpointingMixin:
                 "total_batch_idx": self._total_batch_idx,
                 "stage": self.stage,
                 # where in the loop the save happened, so a resume completes that batch
-                "phase": self._phase,
+                "phase": self._phase.value,
                 # the event being dispatched and the listeners yet to have it: a resume calls
                 # those (checkpoints are saved by listeners, in the middle of an event)
                 "event": event,
@@ -179,7 +180,7 @@ class CheckpointingMixin:
                 if self._data_position is None
                 else data.state_to_json(self._data_position),
             },
-            "config": run_config(self),  # the flags the run was made with
+            "config": self.config.to_json(),  # the flags the run was made with
             # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
             "train_metrics": self._reducer.state_dict() if self._reducer is not None else None,
         }
@@ -291,11 +292,8 @@ class CheckpointingMixin:
             self.should_stop = bool(saved_loop.get("should_stop", False))
         data_state = saved_loop.get("data_state")
         self._resume_data_state = None if data_state is None else data.state_from_json(data_state)
-        phase = saved_loop.get("phase")
-        phases = ("batch_end", "validation", "validated", "epoch_end")
-        if phase not in (None, "between", *phases):
-            raise ValueError(f"trainer.phase {phase!r} is none of the loop's phases")
-        self._resume_phase = phase if phase in phases else None
+        phase = Phase.parse(saved_loop.get("phase"))
+        self._resume_phase = None if phase is Phase.BETWEEN else phase
         event = saved_loop.get("event")
         self._resume_event = (Event(event[0]), list(event[1])) if event else None
         if extra.get("train_metrics") and self.task is not None:
@@ -377,30 +375,26 @@ class CheckpointingMixin:
         listeners after the saving one get the rest of the validation's end events. In each
         case the batch is then counted.
         """
-        phase, self._resume_phase = self._resume_phase, None
-        self._phase = phase or "between"
-        if phase == "batch_end":
+        phase, self._resume_phase = self._resume_phase or Phase.BETWEEN, None
+        self._phase = phase
+        if phase is Phase.BATCH_END:
             self._complete_event(Event.ON_TRAIN_BATCH_END, batch_idx=skip - 1)
             last = skip >= self.num_training_batches
-            if (
-                skip
-                and validate_this_epoch
-                and self._should_validate(skip - 1, self._total_batch_idx, last)
-            ):
-                phase = "validation"
-        if phase == "validation" and skip:
-            self._phase = "validation"
+            if skip and validate_this_epoch and self._validates_after(skip - 1, last):
+                phase = Phase.VALIDATION
+        if phase is Phase.VALIDATION and skip:
+            self._phase = Phase.VALIDATION
             val_loaders = self._reload_val_loaders(val_loaders, dm)
             self._evaluate("validation", evaluate, val_loaders, self.num_val_batches, log=True)
-        if phase == "validated":
+        if phase is Phase.VALIDATED:
             if self._complete_event(Event.ON_VALIDATION_EPOCH_END):
                 self._emit(Event.ON_VALIDATION_END)
             else:
                 self._complete_event(Event.ON_VALIDATION_END)
-        if phase in ("batch_end", "validation", "validated"):
+        if phase.mid_batch:
             self._total_batch_idx += 1
         self._resume_event = None
-        self._phase = "between"
+        self._phase = Phase.BETWEEN
 
 
 def _recency(path: Path) -> tuple[int, int, float]:

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from engine import _config as cfg
-from engine import checkpoint, transforms
+from engine import checkpoint, loop, transforms
+from engine._config import FlagViews
 from engine._profiling import ProfilingMixin
 from engine._resume import CheckpointingMixin, _is
 from engine.data import (
@@ -39,6 +39,7 @@ from engine.data import (
     stateful,
 )
 from engine.events import Emitter, Event, EventRecord, Stop
+from engine.loop import Phase, schedule
 from engine.metrics import MetricReducer
 from engine.optim import clip_by_global_norm, clip_by_value
 from engine.state import TrainState
@@ -46,10 +47,8 @@ from engine.task import Task
 
 __all__ = ["Trainer"]
 
-INF = math.inf
 
-
-class Trainer(CheckpointingMixin, ProfilingMixin):
+class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
     """Lightning's ``Trainer``, as a driver of pure steps. Flags keep Lightning's names,
     defaults and meanings.
 
@@ -64,6 +63,12 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
     ``accelerator``, ``strategy``, ``devices``, ``num_nodes``, ``precision``, ``plugins``,
     ``sync_batchnorm`` and ``use_distributed_sampler`` accept their single-process CPU values
     now; other values raise an error saying so.
+
+    The flags are checked and resolved once, into ``trainer.config`` (a frozen
+    :class:`~engine.loop.LoopConfig`: Lightning's defaults filled in, ``fast_dev_run`` and
+    ``barebones`` applied); ``trainer.max_epochs`` and the other flags read it. When to validate
+    and when to stop are the pure predicates of :mod:`engine.loop.schedule`, which the listeners
+    ask too.
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -122,120 +127,12 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         compile: bool | Mapping[str, Any] = False,
         enable_journal: bool | None = None,
     ) -> None:
-        # -- flags with a fixed set of values (placement and scale-out: single-process CPU until
-        # their own issues land; _config.CHOICES)
-        cfg.check_choices(
-            accelerator=accelerator,
-            strategy=strategy,
-            devices=devices,
-            num_nodes=num_nodes,
-            precision=precision,
-            plugins=plugins,
-            sync_batchnorm=sync_batchnorm,
-            use_distributed_sampler=use_distributed_sampler,
-            inference_mode=inference_mode,
-            detect_anomaly=detect_anomaly,
-            barebones=barebones,
-            enable_checkpointing=enable_checkpointing,
-            enable_progress_bar=enable_progress_bar,
-            enable_model_summary=enable_model_summary,
-            enable_journal=enable_journal,
-            deterministic=deterministic,
-            benchmark=benchmark,
-            profiler=profiler,
-            gradient_clip_algorithm=gradient_clip_algorithm,
-        )
-        cfg.check_compile(compile)
-        cfg.check_clip_val(gradient_clip_val)
-        cfg.check_loggers(logger)
-        cfg.check_callbacks(callbacks)
-
-        # -- loop limits
-        self.max_steps = cfg.check_int("max_steps", max_steps, minimum=-1)
-        self.min_steps = cfg.check_int("min_steps", min_steps, minimum=0, allow_none=True)
-        self.min_epochs = cfg.check_int("min_epochs", min_epochs, minimum=0, allow_none=True)
-        if self.min_epochs is None and self.min_steps is not None:
-            # Lightning's _parse_loop_limits: with min_steps, a stop request still completes the
-            # first epoch
-            self.min_epochs = 1
-        cfg.check_int("max_epochs", max_epochs, minimum=-1, allow_none=True)
-        self.max_time = cfg.parse_max_time(max_time)
-        if max_epochs is None:
-            max_epochs = 1000 if self.max_steps == -1 and self.max_time is None else -1
-        self.max_epochs = max_epochs
-        self.limit_train_batches = cfg.check_limit("limit_train_batches", limit_train_batches)
-        self.limit_val_batches = cfg.check_limit("limit_val_batches", limit_val_batches)
-        self.limit_test_batches = cfg.check_limit("limit_test_batches", limit_test_batches)
-        self.limit_predict_batches = cfg.check_limit("limit_predict_batches", limit_predict_batches)
-        self.overfit_batches = cfg.check_limit("overfit_batches", overfit_batches)
-        if self.overfit_batches > 0:
-            self.limit_train_batches = self.overfit_batches
-            self.limit_val_batches = self.overfit_batches
-        self.val_check_interval = cfg.check_val_check_interval(
-            val_check_interval, check_val_every_n_epoch
-        )
-        self.check_val_every_n_epoch = cfg.check_int(
-            "check_val_every_n_epoch", check_val_every_n_epoch, minimum=1, allow_none=True
-        )
-        self.num_sanity_val_steps = cfg.sanity_steps(num_sanity_val_steps)
-        self.accumulate_grad_batches = cfg.check_int(
-            "accumulate_grad_batches", accumulate_grad_batches, minimum=1
-        )
-        self.reload_dataloaders_every_n_epochs = cfg.check_int(
-            "reload_dataloaders_every_n_epochs", reload_dataloaders_every_n_epochs, minimum=0
-        )
-        if log_every_n_steps is not None:
-            cfg.check_int("log_every_n_steps", log_every_n_steps, minimum=1)
-
-        # -- fast_dev_run: n batches of everything, once, no loggers (Lightning's meaning)
-        if not isinstance(fast_dev_run, bool):
-            cfg.check_int("fast_dev_run", fast_dev_run, minimum=0)
-        self.fast_dev_run = int(fast_dev_run)
-        if self.fast_dev_run:
-            n = self.fast_dev_run
-            self.limit_train_batches = self.limit_val_batches = n
-            self.limit_test_batches = self.limit_predict_batches = n
-            self.max_steps, self.max_epochs, self.num_sanity_val_steps = n, 1, 0
-            self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
-
-        # -- barebones: the bare loop; everything that costs per step is off and refused
-        self.barebones = barebones
-        if barebones:
-            cfg.check_barebones(
-                logger=logger not in (None, False),
-                enable_checkpointing=bool(enable_checkpointing),
-                enable_progress_bar=bool(enable_progress_bar),
-                enable_model_summary=bool(enable_model_summary),
-                enable_journal=bool(enable_journal),
-                log_every_n_steps=log_every_n_steps is not None,
-                detect_anomaly=detect_anomaly,
-                profiler=profiler is not None,
-                # Lightning also turns these off in barebones mode
-                num_sanity_val_steps=num_sanity_val_steps not in (None, 0),
-                fast_dev_run=bool(fast_dev_run),
-            )
-            enable_checkpointing = enable_progress_bar = enable_model_summary = False
-            enable_journal = False
-            logger = False
-            self.num_sanity_val_steps = 0
-        self.log_every_n_steps = log_every_n_steps if log_every_n_steps is not None else 50
-        self.enable_checkpointing = enable_checkpointing is not False
-        self.enable_progress_bar = enable_progress_bar is not False
-        self.enable_model_summary = enable_model_summary is not False
-        # fast_dev_run is a smoke test: like its loggers and checkpoints, no journal
-        self.enable_journal = enable_journal is not False and not self.fast_dev_run
-
-        self.gradient_clip_val = gradient_clip_val
-        self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
-        self.deterministic = deterministic
-        self.benchmark = benchmark
-        self.inference_mode = inference_mode
-        self.detect_anomaly = detect_anomaly
-        self.profiler = profiler
-        self.compile = compile
-        self.default_root_dir = cfg.root_dir(default_root_dir)
-
-        self.loggers = [] if self.fast_dev_run else self._build_loggers(logger)
+        flags = {name: value for name, value in locals().items() if name != "self"}
+        # every flag checked and resolved, once; the loop and the listeners read this record
+        self.config = loop.resolve(**flags)
+        # fast_dev_run and barebones log nowhere (a barebones logger is refused by resolve)
+        quiet = self.config.fast_dev_run or self.config.barebones
+        self.loggers = [] if quiet else self._build_loggers(logger)
         self.callbacks = self._build_callbacks(callbacks)
 
         # -- run state (host side)
@@ -248,7 +145,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self.num_val_batches: list[float] = []
         self.num_test_batches: list[float] = []
         self.num_predict_batches: list[float] = []
-        self.val_check_batch: float = INF
+        self.val_check_batch: float = math.inf
         self._val_loaded_at: int | None = None  # the epoch the val loaders were last fetched
         self.callback_metrics: dict[str, float] = {}
         self._snapshot: Mapping[str, float] = MappingProxyType({})
@@ -263,8 +160,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         self.ckpt_path: str | None = None  # the checkpoint the current run resumed from
         self.train_dataloader: Any = None  # what fit() trains on (Lightning's attribute)
         self.datamodule: Any = None  # the datamodule fit() was given, if any
-        self._phase = "between"  # where the fit loop is (saved with checkpoints)
-        self._resume_phase: str | None = None  # the phase a restored checkpoint was saved in
+        self._phase = Phase.BETWEEN  # where the fit loop is (saved with checkpoints)
+        self._resume_phase: Phase | None = None  # the phase a restored checkpoint was saved in
         # ... and the event being dispatched, with the keys of the listeners yet to have it
         self._resume_event: tuple[Event, list[str]] | None = None
         self._emitter = Emitter(())  # rebuilt from the listeners by each run
@@ -509,7 +406,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
                 stacklevel=2,
             )
         self._total_batch_idx = 0  # a checkpoint, if given, restores these
-        self._phase, self._resume_phase, self._resume_event = "between", None, None
+        self._phase, self._resume_phase, self._resume_event = Phase.BETWEEN, None, None
         self._data_position = self._resume_data_state = None
         self._positioned = []
         with self._run("fit", task, state, ckpt_path):
@@ -629,12 +526,12 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
         while mid_epoch() or not self._fit_done():
             epoch = self.current_epoch
             assert self._state is not None
-            if self._resume_phase == "epoch_end":
+            if self._resume_phase is Phase.EPOCH_END:
                 # saved while the epoch was ending: its end (logging, events) has happened but
                 # for the listeners after the one that saved
-                self._phase = "epoch_end"
+                self._phase = Phase.EPOCH_END
                 self._complete_event(Event.ON_TRAIN_EPOCH_END)
-                self._resume_phase, self._phase = None, "between"
+                self._resume_phase, self._phase = None, Phase.BETWEEN
                 reducer.reset()
                 self._state = self._state.replace(epoch=epoch + 1, batch_idx=0)
                 continue
@@ -654,10 +551,11 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             )
             if self.num_training_batches == 0:
                 break
-            self.val_check_batch = self._val_check_batch(enable_validation)
-            validate_this_epoch = enable_validation and (
-                self.check_val_every_n_epoch is None
-                or (epoch + 1) % self.check_val_every_n_epoch == 0
+            self.val_check_batch = schedule.val_check_batch(
+                self.config, self.num_training_batches, enable_validation
+            )
+            validate_this_epoch = schedule.validates_this_epoch(
+                self.config, epoch, enable_validation
             )
             self._emit(Event.ON_TRAIN_EPOCH_START)
             assert self._state is not None
@@ -681,10 +579,10 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
                 reducer.reset()
                 self.log_metrics(epoch_metrics)
                 self._update_prog_bar(epoch_metrics)
-            self._phase = "epoch_end"
+            self._phase = Phase.EPOCH_END
             self._emit(Event.ON_TRAIN_EPOCH_END)
             self._state = self._state.replace(epoch=epoch + 1, batch_idx=0)
-            self._phase = "between"
+            self._phase = Phase.BETWEEN
             if self._signal is not None:  # it came during the epoch's end (its checkpoint)
                 self._stop_for_signal()
         self._emit(Event.ON_TRAIN_END)
@@ -745,16 +643,14 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
                 reducer.update(metrics, batch_size(batch))
                 if steps and self._state.step % self.log_every_n_steps == 0:
                     self._log_step(metrics)
-            self._phase = "batch_end"
+            self._phase = Phase.BATCH_END
             self._emit(Event.ON_TRAIN_BATCH_END, outputs=metrics, batch=batch, batch_idx=batch_idx)
-            if validate_this_epoch and self._should_validate(
-                batch_idx, self._total_batch_idx, is_last
-            ):
-                self._phase = "validation"
+            if validate_this_epoch and self._validates_after(batch_idx, is_last):
+                self._phase = Phase.VALIDATION
                 val_loaders = self._reload_val_loaders(val_loaders, dm)
                 self._evaluate("validation", evaluate, val_loaders, self.num_val_batches, log=True)
             self._total_batch_idx += 1
-            self._phase = "between"
+            self._phase = Phase.BETWEEN
             if self._signal is not None:
                 self._stop_for_signal()
             if self._epoch_done():
@@ -777,55 +673,36 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             self._val_loaded_at = epoch
         return val_loaders
 
-    def _val_check_batch(self, enable_validation: bool) -> float:
-        if isinstance(self.val_check_interval, int):
-            if (
-                self.val_check_interval > self.num_training_batches
-                and self.check_val_every_n_epoch is not None
-                and enable_validation
-            ):
-                raise ValueError(
-                    f"Trainer(val_check_interval={self.val_check_interval}) must be at most the "
-                    f"number of training batches ({self.num_training_batches}); set "
-                    "check_val_every_n_epoch=None to count batches across epochs, or "
-                    "limit_val_batches=0 to turn validation off"
-                )
-            return self.val_check_interval
-        if self.num_training_batches == INF:
-            if self.val_check_interval != 1.0:
-                raise ValueError(
-                    f"Trainer(val_check_interval={self.val_check_interval}): with a training "
-                    "dataloader without a length, pass 1.0 (at the end of the data) or an int"
-                )
-            return INF
-        return max(1, int(self.num_training_batches * self.val_check_interval))
+    # ------------------------------------------------------------------ schedule (engine.loop)
 
-    def _should_validate(self, batch_idx: int, total_batch_idx: int, is_last: bool) -> bool:
-        if is_last and self.val_check_batch == INF:
-            return True
-        if self.should_stop and self._can_stop_early():
-            return True
-        if self.val_check_batch == INF:
-            return False
-        i = total_batch_idx if self.check_val_every_n_epoch is None else batch_idx
-        return (i + 1) % self.val_check_batch == 0
-
-    def _can_stop_early(self) -> bool:
-        met_epochs = self.current_epoch >= self.min_epochs if self.min_epochs else True
-        met_steps = self.global_step >= self.min_steps if self.min_steps else True
-        return met_epochs and met_steps
+    def _validates_after(self, batch_idx: int, is_last: bool) -> bool:
+        """Whether validation runs after this training batch, in an epoch that validates."""
+        return schedule.should_validate(
+            self.config,
+            val_check_batch=self.val_check_batch,
+            batch_idx=batch_idx,
+            total_batch_idx=self._total_batch_idx,
+            is_last=is_last,
+            should_stop=self.should_stop,
+            epoch=self.current_epoch,
+            global_step=self.global_step,
+        )
 
     def _epoch_done(self) -> bool:
-        if 0 <= self.max_steps <= self.global_step:
-            return True
-        return self.should_stop and self._can_stop_early()
+        return schedule.epoch_done(
+            self.config,
+            global_step=self.global_step,
+            should_stop=self.should_stop,
+            epoch=self.current_epoch,
+        )
 
     def _fit_done(self) -> bool:
-        if 0 <= self.max_steps <= self.global_step:
-            return True
-        if 0 <= self.max_epochs <= self.current_epoch:
-            return True
-        return self.should_stop and self._can_stop_early()
+        return schedule.fit_done(
+            self.config,
+            epoch=self.current_epoch,
+            global_step=self.global_step,
+            should_stop=self.should_stop,
+        )
 
     # ------------------------------------------------------------------ metrics
 
@@ -885,8 +762,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin):
             merged = {k: v for r in results for k, v in r.items()}
             self.log_metrics(merged)
             self._update_prog_bar(merged)
-        if self._phase == "validation":  # fit's validation has its results: a resume keeps them
-            self._phase = "validated"
+        if self._phase is Phase.VALIDATION:  # fit's validation has its results: a resume keeps them
+            self._phase = Phase.VALIDATED
         self._emit(ev["epoch_end"])
         self._emit(ev["end"])
         return results

@@ -35,6 +35,7 @@ from engine.listeners import (
 )
 from engine.listeners import timer as timer_module
 from engine.listeners.summary import _readable
+from engine.loop import resolve
 
 # ---------------------------------------------------------------------- a fake fit loop
 
@@ -71,9 +72,11 @@ class FakeFit:
         self.num_training_batches = num_training_batches
         self.num_val_batches = list(num_val_batches)
         self.num_sanity_val_steps = num_sanity_val_steps
-        if expose_schedule:
-            self.val_check_interval = val_check_interval
-            self.check_val_every_n_epoch = check_val_every_n_epoch
+        if expose_schedule:  # the Trainer's resolved flags, which listeners ask the schedule
+            self.config = resolve(
+                val_check_interval=val_check_interval,
+                check_val_every_n_epoch=check_val_every_n_epoch,
+            )
         self._val_check_interval = val_check_interval
         self._every = check_val_every_n_epoch
         self.val_metrics, self.train_epoch_metrics = val_metrics, train_epoch_metrics

@@ -77,7 +77,8 @@ def test_the_step_hooks_carry_this_batchs_loss_and_gradients():
             params = {k: p.requires_grad_() for k, p in params.items()}
             ref = _loss(lambda x, p=params: functional_call(model, p, (x,)), batch)
             assert torch.equal(loss, ref.detach())
-            expected = dict(zip(params, torch.autograd.grad(ref / 2, list(params.values()))))
+            grads = torch.autograd.grad(ref / 2, list(params.values()))
+            expected = dict(zip(params, grads, strict=True))
         elif row[0] == "after_backward":
             assert all(torch.equal(row[2][k], expected[k]) for k in expected)  # of loss / 2
             window = {k: expected[k] + window[k] if k in window else expected[k] for k in expected}

@@ -54,6 +54,7 @@ from typing import Any
 from engine import checkpoint
 from engine.events import EventRecord, Listener
 from engine.listeners.progress import write_message
+from engine.loop import schedule
 
 __all__ = ["ModelCheckpoint"]
 
@@ -353,26 +354,26 @@ class ModelCheckpoint(Listener):
         return self._outside_fit(rec) or self._last_global_step_saved == rec.trainer.global_step
 
     def _on_train_epoch_end(self, trainer: Any) -> bool:
-        """Lightning's rule for where epoch-wise saves go when ``save_on_train_epoch_end`` is
-        ``None``. ``val_check_interval == 1.0`` holds for the int 1 too, as in Lightning."""
+        """Where epoch-wise saves go: ``save_on_train_epoch_end``, else Lightning's rule
+        (:func:`engine.loop.schedule.saves_at_train_epoch_end`)."""
         if self._save_on_train_epoch_end is not None:
             return self._save_on_train_epoch_end
-        if trainer.check_val_every_n_epoch != 1:
-            return False
-        if sum(trainer.num_val_batches) == 0:
-            return True
-        return bool(trainer.val_check_interval == 1.0)
+        return schedule.saves_at_train_epoch_end(trainer.config, sum(trainer.num_val_batches))
 
     def _validation_follows(self, rec: EventRecord) -> bool:
         """Whether this was the epoch's last batch and validation runs next (and epoch-wise
-        saves do not go to the end of the training epoch)."""
+        saves do not go to the end of the training epoch):
+        :func:`engine.loop.schedule.validation_follows`."""
         trainer = rec.trainer
         if self._on_train_epoch_end(trainer) or rec.batch_idx is None:
             return False
-        if rec.batch_idx + 1 != trainer.num_training_batches or sum(trainer.num_val_batches) == 0:
-            return False
-        every = trainer.check_val_every_n_epoch
-        return every is None or (trainer.current_epoch + 1) % every == 0
+        return schedule.validation_follows(
+            trainer.config,
+            batch_idx=rec.batch_idx,
+            num_training_batches=trainer.num_training_batches,
+            num_val_batches=sum(trainer.num_val_batches),
+            epoch=trainer.current_epoch,
+        )
 
     def _save_epochwise(self, rec: EventRecord, candidates: dict[str, Any]) -> None:
         epoch = rec.trainer.current_epoch

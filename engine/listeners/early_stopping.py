@@ -7,8 +7,9 @@ instead of setting ``trainer.should_stop``:
   ``on_train_epoch_end`` when ``check_on_train_epoch_end`` is true. The default (``None``) is
   decided when fitting starts, with Lightning's rule: at the end of the training epoch when
   validation runs once per epoch, at its end (``val_check_interval == 1.0`` and
-  ``check_val_every_n_epoch == 1``) or not at all; otherwise after each validation. Checks are
-  skipped outside ``fit``, during the sanity check and under ``fast_dev_run``.
+  ``check_val_every_n_epoch == 1``) or not at all; otherwise after each validation
+  (:func:`engine.loop.schedule.checks_at_train_epoch_end`). Checks are skipped outside ``fit``,
+  during the sanity check and under ``fast_dev_run``.
 * In order: a non-finite value stops (``check_finite``); reaching ``stopping_threshold`` stops;
   being worse than ``divergence_threshold`` stops; an improvement by more than ``min_delta``
   over the best score resets the wait count; otherwise the wait count grows, and reaching
@@ -27,6 +28,7 @@ from typing import Any
 
 from engine.events import EventRecord, Listener, Stop
 from engine.listeners.progress import write_message
+from engine.loop import schedule
 
 __all__ = ["EarlyStopping", "EarlyStoppingReason"]
 
@@ -148,7 +150,7 @@ class EarlyStopping(Listener):
     def on_fit_start(self, rec: EventRecord) -> None:
         """Decide where checks run when ``check_on_train_epoch_end`` was left as ``None``."""
         if self._check_on_train_epoch_end_arg is None:
-            self._check_on_train_epoch_end = _validates_once_per_epoch(rec.trainer)
+            self._check_on_train_epoch_end = _checks_at_train_epoch_end(rec.trainer)
 
     def on_train_epoch_end(self, rec: EventRecord) -> Stop | None:
         """Check here when ``check_on_train_epoch_end`` is true."""
@@ -166,7 +168,7 @@ class EarlyStopping(Listener):
 
     def _at_epoch_end(self, rec: EventRecord) -> bool:
         if self._check_on_train_epoch_end is None:  # no on_fit_start seen: decide now
-            self._check_on_train_epoch_end = _validates_once_per_epoch(rec.trainer)
+            self._check_on_train_epoch_end = _checks_at_train_epoch_end(rec.trainer)
         return self._check_on_train_epoch_end
 
     @staticmethod
@@ -293,21 +295,14 @@ class EarlyStopping(Listener):
         )
 
 
-def _validates_once_per_epoch(trainer: Any) -> bool:
-    """Lightning's default for ``check_on_train_epoch_end``.
-
-    True when validation runs exactly once per epoch at its end, or when there is no validation
-    at all (Lightning reads only the validation schedule, whose defaults say "once per epoch").
-    A trainer that does not expose its schedule is judged by whether it has validation batches.
+def _checks_at_train_epoch_end(trainer: Any) -> bool:
+    """Lightning's default for ``check_on_train_epoch_end``: the trainer's schedule
+    (:func:`engine.loop.schedule.checks_at_train_epoch_end`). A trainer that does not expose
+    its schedule (no ``config``) is judged by whether it has validation batches: checks go
+    after validation when there is one.
     """
-    num_val = getattr(trainer, "num_val_batches", None) or []
-    if not num_val or sum(num_val) == 0:
-        return True
-    if not hasattr(trainer, "val_check_interval") and not hasattr(
-        trainer, "check_val_every_n_epoch"
-    ):
-        return False  # validation exists but its schedule is unknown: check after it
-    interval = getattr(trainer, "val_check_interval", 1.0)
-    every = getattr(trainer, "check_val_every_n_epoch", 1)
-    # a float 1.0 is "once per epoch"; an int 1 means "every batch"
-    return isinstance(interval, float) and interval == 1.0 and every == 1
+    num_val = sum(getattr(trainer, "num_val_batches", None) or [])
+    config = getattr(trainer, "config", None)
+    if config is None:
+        return num_val == 0
+    return schedule.checks_at_train_epoch_end(config, num_val)

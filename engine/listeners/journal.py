@@ -9,7 +9,7 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
   checkpoint, including the state the fit started from. An asynchronous checkpoint's line is
   written once it is on disk, with the fingerprint its writer hashed from the snapshot (so the
   loop does not wait for the hash), and not at all if the write failed;
-* ``config.json``: the Trainer's flags;
+* ``config.json``: the Trainer's resolved flags (``trainer.config.to_json()``);
 * ``task.pkl``, ``model.pkl``, ``data.pkl``: the task's functions, the model's structure (its
   tensors as shapes only) and the training data source, pickled with cloudpickle so the run can be
   re-executed without its script. Loading them runs code, so replay asks for explicit trust;
@@ -32,7 +32,6 @@ from typing import IO, Any
 import torch
 
 from engine import checkpoint
-from engine._config import run_config
 from engine.events import EventRecord, Listener
 
 __all__ = ["Journal"]
@@ -133,7 +132,7 @@ class Journal(Listener):
             self.every_n_steps = trainer.log_every_n_steps
         self._losses = deque(maxlen=self.every_n_steps or 1)
         self._losses_to = -1
-        (root / CONFIG).write_text(json.dumps(run_config(trainer), indent=2, sort_keys=True))
+        (root / CONFIG).write_text(json.dumps(trainer.config.to_json(), indent=2, sort_keys=True))
         self._file = open(root / JOURNAL, "a")  # noqa: SIM115 - open for the whole fit
         if not self.replayable or rec.state is None:
             return
