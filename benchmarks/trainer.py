@@ -4,6 +4,10 @@
   calling the same built step over the same batches (target <= 1.03).
 * ``trainer_logged_vs_hand``: the Trainer with a progress bar (rendering to /dev/null) and a
   TensorBoard logger (log_every_n_steps=50) against the same hand loop (target <= 1.10).
+* ``trainer_observed_vs_barebones``: the barebones Trainer with a listener on the hooks inside the
+  step (``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step``, doing
+  nothing), which splits the step to call them, against the barebones Trainer without it: the
+  cost of the split step.
 * ``lightning_barebones_vs_raw`` / ``lightning_defaults_vs_raw``: Lightning's own Trainer on the
   same model and data (when pytorch-lightning is installed), against the raw PyTorch loop of
   ``benchmarks.step`` — the figure to compare with ``tiny_engine_eager_ratio``.
@@ -68,7 +72,28 @@ def _engine_variants(sizes, data, tmp: str) -> dict[str, Callable[[], None]]:
         )
         logged_box[0] = trainer.fit(task, logged_box[0].replace(epoch=0, batch_idx=0), data)
 
-    return {"hand": hand, "trainer_barebones": bare, "trainer_logged": logged}
+    observed_box = [task.init(mlp(sizes), seed=0)]
+
+    class StepHooks(eg.Listener):
+        def on_before_backward(self, rec: Any) -> None:
+            pass
+
+        def on_after_backward(self, rec: Any) -> None:
+            pass
+
+        def on_before_optimizer_step(self, rec: Any) -> None:
+            pass
+
+    def observed() -> None:
+        trainer = eg.Trainer(max_epochs=1, barebones=True, callbacks=[StepHooks()])
+        observed_box[0] = trainer.fit(task, observed_box[0].replace(epoch=0, batch_idx=0), data)
+
+    return {
+        "hand": hand,
+        "trainer_barebones": bare,
+        "trainer_logged": logged,
+        "trainer_observed": observed,
+    }
 
 
 def _lightning_variants(sizes, data, tmp: str) -> dict[str, Callable[[], None]]:
@@ -246,6 +271,9 @@ def time_trainer(rounds: int) -> dict[str, float]:
         times = _interleave(_engine_variants(sizes, data, tmp), rounds)
         out["trainer_barebones_vs_hand"] = _ratio(times, "trainer_barebones", "hand")
         out["trainer_logged_vs_hand"] = _ratio(times, "trainer_logged", "hand")
+        out["trainer_observed_vs_barebones"] = _ratio(
+            times, "trainer_observed", "trainer_barebones"
+        )
         hand_us = statistics.median(times["hand"]) / BATCHES * 1e6
         out.update(driver_overhead_us(rounds, tmp))
         # the driver's own cost relative to the step it drives: the stable form of the ratios
