@@ -22,10 +22,10 @@ code costs. Figures, per place:
   asynchronous save, which allocates the buffers later ones reuse, is reported apart
   (``async_first_blocked_ms``).
 * ``trainer_async_blocked_vs_sync``: the same inside a fit with the Trainer's defaults (the
-  journal on): how long ``Trainer.save_checkpoint(path, asynchronous=True)`` holds the loop
-  (the event to every listener, their states, the snapshot) over ``Trainer.save_checkpoint(path)``,
-  one of each per round after a first pair that allocates; ``trainer_async_blocked_vs_torch_save``
-  over the same place's ``torch.save`` + fsync.
+  journal on): how long a listener's ``eg.Save(path, asynchronous=True)`` holds the loop (from
+  the request to the next batch: ``on_save_checkpoint`` to every listener, their states, the
+  snapshot) over ``eg.Save(path)``, one of each per round after a first pair that allocates;
+  ``trainer_async_blocked_vs_torch_save`` over the same place's ``torch.save`` + fsync.
 
 Every round runs all variants back to back, alternating their order; a ratio is the median over
 rounds of the per-round ratio (with its interquartile range), so that drift in machine load and
@@ -184,32 +184,44 @@ def measure(state: eg.TrainState, where: Path, rounds: int) -> dict[str, Any]:
 
 
 class _SaveTimer(eg.Listener):
-    """Saves after each training batch, synchronously and asynchronously by turns, and times how
-    long ``Trainer.save_checkpoint`` held the loop (the write of an asynchronous save is then
-    waited for, untimed, so that saves never overlap)."""
+    """Asks for a checkpoint after each training batch, synchronously and asynchronously by
+    turns, and times how long the driver held the loop for it: from the request (returned by
+    ``on_train_batch_end``) to the next batch's start. The write of an asynchronous save is then
+    waited for, untimed, so that saves never overlap."""
 
     def __init__(self, root: Path) -> None:
         self.root, self.times = root, {"trainer_save": [], "trainer_async_blocked": []}
+        self.asked: tuple[Path, bool, float] | None = None
+        self.future: Any = None
 
-    def on_train_batch_end(self, rec: Any) -> None:
+    def on_train_batch_end(self, rec: Any) -> eg.Save:
         asynchronous = rec.state.step % 2 == 0
         path = self.root / f"s{rec.state.step}"
-        t0 = time.perf_counter()
-        out = rec.trainer.save_checkpoint(path, asynchronous=asynchronous)
-        elapsed = time.perf_counter() - t0
-        if asynchronous:
-            out.result()
+        self.asked = (path, asynchronous, time.perf_counter())
+        return eg.Save(path, asynchronous=asynchronous)
+
+    def on_save_checkpoint(self, rec: Any) -> None:
+        self.future = rec.checkpoint_future  # None for a synchronous save
+
+    def on_train_batch_start(self, rec: Any) -> None:
+        if self.asked is None:
+            return
+        elapsed = time.perf_counter() - self.asked[2]
+        path, asynchronous, _ = self.asked
+        if self.future is not None:
+            self.future.result()
         self.times["trainer_async_blocked" if asynchronous else "trainer_save"].append(elapsed)
         _remove(path)
+        self.asked = self.future = None
 
 
 def measure_trainer(where: Path, rounds: int) -> dict[str, Any]:
-    """Inside a fit with the Trainer's defaults (journal on): how long ``save_checkpoint``
-    blocks the loop, asynchronous over synchronous, one pair of saves per round."""
+    """Inside a fit with the Trainer's defaults (journal on): how long a checkpoint a listener
+    asks for blocks the loop, asynchronous over synchronous, one pair of saves per round."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4096, 2048), nn.ReLU(), nn.Linear(2048, 4096))
     task = eg.Task(lambda m, b: (m(b) - b).pow(2).mean(), optim.adamw(1e-3))
-    data = [torch.randn(8, 4096)] * (2 * rounds + 2)
+    data = [torch.randn(8, 4096)] * (2 * rounds + 3)  # the last save is not timed
     root = Path(tempfile.mkdtemp(prefix="engine-bench-", dir=where))
     timer = _SaveTimer(root)
     try:

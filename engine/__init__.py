@@ -3,13 +3,15 @@
 Pure step functions over a frozen :class:`TrainState`, functional optimizers in
 :mod:`engine.optim`, and a thin :class:`Trainer` driver with Lightning's flags, loop semantics
 and hook names, whose listeners (:mod:`engine.listeners`) and loggers (:mod:`engine.loggers`)
-react to events but cannot change the state. Checkpoints (:mod:`engine.checkpoint`) resume a run
-exactly, and :func:`replay` re-executes a journaled run and checks it bitwise.
+react to events but cannot change the state: a listener reads a read-only view of the run and
+returns requests (:class:`Stop`, :class:`Save`, :class:`Log`) that the driver carries out.
+Checkpoints (:mod:`engine.checkpoint`) resume a run exactly, and :func:`replay` re-executes a
+journaled run and checks it bitwise.
 """
 
 from engine import checkpoint, data, listeners, loggers, optim, rng, transforms
 from engine._replay import Divergence, ReplayError, ReplayReport, UntrustedCodeError, replay
-from engine.events import Event, EventRecord, Listener, Stop, on
+from engine.events import Event, EventRecord, Listener, Log, RunView, Save, Stop, on
 from engine.listeners import (
     EarlyStopping,
     Journal,
@@ -52,6 +54,9 @@ __all__ = [
     "Event",
     "EventRecord",
     "Listener",
+    "Log",
+    "RunView",
+    "Save",
     "Stop",
     "Task",
     "Trainer",

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.events import Event
+from engine._duration import parse_duration
+from engine.events import Event, check_listener
 
 if TYPE_CHECKING:
-    from engine.loop import LoopConfig
+    from engine.loop.config import LoopConfig
 
 __all__: list[str] = []
 
@@ -125,8 +126,6 @@ def check_barebones(**flags: Any) -> None:
 def parse_max_time(value: Any) -> timedelta | None:
     """``max_time`` as Lightning takes it: "DD:HH:MM:SS", a timedelta, or a dict of timedelta
     keyword arguments (the Timer listener's parser, with the flag named in the error)."""
-    from engine.listeners.timer import parse_duration
-
     if isinstance(value, Mapping) and any(
         isinstance(v, bool) or not isinstance(v, (int, float)) for v in value.values()
     ):
@@ -230,11 +229,14 @@ def check_loggers(value: Any) -> None:
 
 def check_callbacks(value: Any) -> None:
     """``callbacks``: None, a listener or a list/tuple of them; a listener is an instance with
-    a method named after an :class:`~engine.events.Event` (what the Emitter dispatches to)."""
+    a method named after an :class:`~engine.events.Event` (what the Emitter dispatches to), and
+    no public ``on_*`` method named after none (:func:`~engine.events.check_listener`: a
+    misspelt handler is named, with the event it resembles, before "not a listener" hides it)."""
     if value is None:
         return
     for x in value if isinstance(value, (list, tuple)) else [value]:
         _instance("callbacks", value, x)
+        check_listener(x)
         if not any(callable(getattr(x, event.value, None)) for event in Event):
             raise ValueError(
                 f"Trainer(callbacks={value!r}): {x!r} is not a listener (it has no method named "

@@ -276,7 +276,7 @@ class _Checker(Listener):
                 if not _same(line["loss"], float(loss)):
                     diffs["loss"] = (line["loss"], float(loss))
             if "lr" in line:
-                lr = getattr(rec.trainer.task, "lr", None)
+                lr = getattr(rec.run.task, "lr", None)
                 value = float(lr(state.step) if callable(lr) else lr)  # type: ignore[arg-type]
                 self.compared += 1
                 if not _same(line["lr"], value):

@@ -1,4 +1,5 @@
-"""The Trainer's checkpointing: save, resolve and restore checkpoints; stop cleanly on signals.
+"""The Trainer's checkpointing: save, resolve and restore checkpoints; carry out the listeners'
+:class:`~engine.events.Save` requests; stop cleanly on signals.
 
 A mixin of :class:`engine.trainer.Trainer`, kept apart so the driver's loop reads on its own.
 """
@@ -13,14 +14,14 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import CancelledError, Future
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import checkpoint, data
-from engine.events import Event
+from engine.events import Event, Save
 from engine.loop import LoopConfig, Phase
 from engine.metrics import MetricReducer
 from engine.state import TrainState
@@ -32,6 +33,7 @@ class CheckpointingMixin:
     """Checkpoint and signal handling for the Trainer (which provides these attributes)."""
 
     callbacks: list[Any]
+    loggers: list[Any]
     config: LoopConfig
     default_root_dir: str
     stage: str | None
@@ -40,7 +42,7 @@ class CheckpointingMixin:
     logged_metrics: dict[str, float]
     progress_bar_metrics: dict[str, float]
     should_stop: bool
-    _metrics_version: int
+    _version: int
     num_training_batches: float
     num_val_batches: list[float]
     ckpt_path: str | None
@@ -50,17 +52,15 @@ class CheckpointingMixin:
     _restored_reducer: MetricReducer | None
     _phase: Phase
     _resume_phase: Phase | None
-    _resume_event: tuple[Event, list[str]] | None
     _emitter: Any
+    _in_flight: list[tuple[Future[Any], tuple[str, ...]]]
     _data_position: Any
     _resume_data_state: Any
     _signal: int | None
 
     if TYPE_CHECKING:  # the Trainer's methods this mixin calls
 
-        def _emit(
-            self, event: Event, only: Collection[int] | None = None, **fields: Any
-        ) -> None: ...
+        def _emit(self, event: Event, **fields: Any) -> None: ...
 
         def _validates_after(self, batch_idx: int, is_last: bool) -> bool: ...
 
@@ -105,14 +105,25 @@ class CheckpointingMixin:
         A run waits for its pending saves before it ends. ``weights_only=True`` saves the model
         alone (Lightning's meaning): ``validate`` / ``test`` / ``predict`` can start from it,
         ``fit`` cannot.
+
+        For code outside events (after ``fit``, say). A listener returns
+        :class:`~engine.events.Save` instead, which the driver carries out through this method
+        once the event has reached every listener.
+
+        Raises:
+            RuntimeError: before a run, or when called while an event is being dispatched (from
+                a handler that holds the trainer): return ``engine.Save(path)`` there.
         """
         if self._state is None:
             raise RuntimeError("save_checkpoint(): nothing to save yet; call fit() first")
-        pending = self._emitter.pending()
-        if pending is not None:  # saved by a listener: record who is yet to have this event
-            key_of = {id(x): k for k, x in self._keyed_listeners(stateful_only=False)}
-            event, waiting = pending
-            event_state = [event.value, [key_of[id(x)] for x in waiting if id(x) in key_of]]
+        dispatching = self._emitter.dispatching
+        if dispatching is not None:
+            raise RuntimeError(
+                f"trainer.save_checkpoint() was called while {dispatching.value} was being "
+                "dispatched; a listener returns engine.Save(path) (with asynchronous=, "
+                "weights_only=, replaces=) and the driver writes it once every listener has had "
+                "the event, so the checkpoint holds all their states after it"
+            )
         # the event comes first (a listener's state must be in the checkpoint), the write after;
         # for an asynchronous save listeners get a future that the write's future completes,
         # whatever happens meanwhile
@@ -125,11 +136,7 @@ class CheckpointingMixin:
                 checkpoint_future=landed,
             )
             out = self._write_checkpoint(
-                filepath,
-                metrics=metrics,
-                asynchronous=asynchronous,
-                event=None if pending is None else event_state,
-                weights_only=weights_only,
+                filepath, metrics=metrics, asynchronous=asynchronous, weights_only=weights_only
             )
             if landed is not None:
                 out.add_done_callback(partial(_complete, landed))
@@ -146,12 +153,9 @@ class CheckpointingMixin:
         *,
         metrics: Mapping[str, float] | None = None,
         asynchronous: bool = False,
-        event: list[Any] | None = None,
         weights_only: bool = False,
-        fingerprint: bool = True,
     ) -> Any:
-        """save_checkpoint without the event (the journal's record of the start state, which
-        fingerprints that state itself: ``fingerprint=False``)."""
+        """save_checkpoint's write, after its event."""
         assert self._state is not None
         listeners = {}
         for key, listener in self._keyed_listeners():
@@ -163,11 +167,9 @@ class CheckpointingMixin:
             "trainer": {
                 "total_batch_idx": self._total_batch_idx,
                 "stage": self.stage,
-                # where in the loop the save happened, so a resume completes that batch
+                # where in the loop the save happened, so a resume completes that batch (a
+                # listener's save comes after its event has reached every listener)
                 "phase": self._phase.value,
-                # the event being dispatched and the listeners yet to have it: a resume calls
-                # those (checkpoints are saved by listeners, in the middle of an event)
-                "event": event,
                 # what listeners have seen so far, and whether one asked to stop
                 "callback_metrics": _finite_or_str(self.callback_metrics),
                 "logged_metrics": _finite_or_str(self.logged_metrics),
@@ -191,7 +193,7 @@ class CheckpointingMixin:
                 filepath,
                 metrics=metrics,
                 extra=extra,
-                fingerprint=fingerprint,
+                fingerprint=True,
                 weights_only=weights_only,
             )
         return checkpoint.save(
@@ -288,14 +290,14 @@ class CheckpointingMixin:
             for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
                 if name in saved_loop:
                     setattr(self, name, {k: float(v) for k, v in saved_loop[name].items()})
-            self._metrics_version += 1
+            self._version += 1
             self.should_stop = bool(saved_loop.get("should_stop", False))
         data_state = saved_loop.get("data_state")
         self._resume_data_state = None if data_state is None else data.state_from_json(data_state)
         phase = Phase.parse(saved_loop.get("phase"))
+        if "event" in saved_loop:  # written by an engine before requests: see _older_phase
+            phase = _older_phase(phase, saved_loop["event"])
         self._resume_phase = None if phase is Phase.BETWEEN else phase
-        event = saved_loop.get("event")
-        self._resume_event = (Event(event[0]), list(event[1])) if event else None
         if extra.get("train_metrics") and self.task is not None:
             self._restored_reducer = MetricReducer(self.task.reduce)
             self._restored_reducer.load_state_dict(extra["train_metrics"])
@@ -352,33 +354,21 @@ class CheckpointingMixin:
             file=sys.stderr,
         )
 
-    def _complete_event(self, *events: Event, **fields: Any) -> bool:
-        """If the restored checkpoint was saved while one of ``events`` was being dispatched,
-        call the listeners that had not had it yet; returns whether it was one of them."""
-        pending = self._resume_event
-        if pending is None or pending[0] not in events:
-            return False
-        self._resume_event = None
-        waiting = set(pending[1])
-        only = {id(x) for k, x in self._keyed_listeners(stateful_only=False) if k in waiting}
-        self._emit(pending[0], only=only, **fields)
-        return True
-
     def _finish_resumed_batch(
         self, skip: int, validate_this_epoch: bool, evaluate: Any, val_loaders: list[Any], dm: Any
     ) -> None:
         """Complete what the batch a checkpoint was saved in still had to do.
 
-        Saved in ``on_train_batch_end``: the listeners after the saving one get that event, then
-        the batch's validation check runs. Saved during a validation before its results were
-        logged: that validation runs again (it is pure: same results). Saved after: the
-        listeners after the saving one get the rest of the validation's end events. In each
-        case the batch is then counted.
+        A listener's save comes after its event has reached every listener, so what is left is
+        what the loop does after that event. Saved in ``on_train_batch_end``: the batch's
+        validation check runs. Saved during a validation before its results were logged: that
+        validation runs again (it is pure: same results). Saved in ``on_validation_epoch_end``:
+        ``on_validation_end`` follows; saved in ``on_validation_end``: nothing. In each case the
+        batch is then counted.
         """
         phase, self._resume_phase = self._resume_phase or Phase.BETWEEN, None
         self._phase = phase
         if phase is Phase.BATCH_END:
-            self._complete_event(Event.ON_TRAIN_BATCH_END, batch_idx=skip - 1)
             last = skip >= self.num_training_batches
             if skip and validate_this_epoch and self._validates_after(skip - 1, last):
                 phase = Phase.VALIDATION
@@ -387,14 +377,71 @@ class CheckpointingMixin:
             val_loaders = self._reload_val_loaders(val_loaders, dm)
             self._evaluate("validation", evaluate, val_loaders, self.num_val_batches, log=True)
         if phase is Phase.VALIDATED:
-            if self._complete_event(Event.ON_VALIDATION_EPOCH_END):
-                self._emit(Event.ON_VALIDATION_END)
-            else:
-                self._complete_event(Event.ON_VALIDATION_END)
+            self._phase = Phase.VALIDATION_END
+            self._emit(Event.ON_VALIDATION_END)
         if phase.mid_batch:
             self._total_batch_idx += 1
-        self._resume_event = None
         self._phase = Phase.BETWEEN
+
+    # ------------------------------------------------------------------ requested saves
+
+    def _save_requested(self, listener: Any, request: Save) -> None:
+        """Carry out a listener's :class:`~engine.events.Save`: write it, tell the loggers when
+        a ``ModelCheckpoint`` asked (Lightning's ``after_save_checkpoint``), and delete what it
+        replaces once it is on disk (an asynchronous one: once it has landed, see :meth:`_reap`)."""
+        out = self.save_checkpoint(
+            request.path, asynchronous=request.asynchronous, weights_only=request.weights_only
+        )
+        if _is(listener, "ModelCheckpoint"):
+            for logger in self.loggers:
+                if callable(getattr(logger, "after_save_checkpoint", None)):
+                    logger.after_save_checkpoint(listener)
+        saved = os.path.abspath(request.path)
+        doomed = tuple(p for p in request.replaces if os.path.abspath(p) != saved)
+        if not doomed:
+            return
+        if request.asynchronous:
+            self._in_flight.append((out, doomed))
+        else:
+            for path in doomed:
+                checkpoint.remove(path)
+
+    def _reap(self, *, wait: bool) -> None:
+        """Delete the checkpoints replaced by asynchronous saves that have landed (all of them,
+        waiting, with ``wait``), in the order they were asked for; a save that failed or was
+        cancelled leaves what it would have replaced."""
+        while self._in_flight:
+            future, doomed = self._in_flight[0]
+            if not wait and not future.done():
+                return
+            self._in_flight.pop(0)
+            if future.cancelled() or future.exception() is not None:
+                continue
+            for path in doomed:
+                checkpoint.remove(path)
+
+
+def _older_phase(phase: Phase, event: Any) -> Phase:
+    """The phase of a checkpoint from an engine before requests, which recorded beside it the
+    event a listener saved in (``[event, [keys of the listeners yet to have it]]``, or null).
+
+    Those listeners are not called on resume (a save now comes after every listener had the
+    event); the event tells the two ends of a validation apart, which the phase now does:
+    saved in ``on_validation_epoch_end``, ``on_validation_end`` is still to come.
+    """
+    if event is None:
+        return Phase.VALIDATION_END if phase is Phase.VALIDATED else phase
+    if (
+        not isinstance(event, list)
+        or len(event) != 2
+        or not isinstance(event[0], str)
+        or not isinstance(event[1], list)
+    ):
+        raise TypeError(f"trainer.event must be null or [event, [listener keys]], got {event!r}")
+    saved_in = Event(event[0])
+    if phase is Phase.VALIDATED and saved_in is not Event.ON_VALIDATION_EPOCH_END:
+        return Phase.VALIDATION_END
+    return phase
 
 
 def _recency(path: Path) -> tuple[int, int, float]:

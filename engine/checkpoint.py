@@ -25,6 +25,7 @@ import errno
 import math
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Mapping
@@ -164,14 +165,27 @@ def _describe(
 
 def _replaceable(target: Path) -> None:
     """Refuse to replace (and so delete) what is not a checkpoint: a file, or a directory with
-    something in it but no ``meta.json``; and a target whose parent cannot be a directory."""
-    if os.path.lexists(target):
-        if target.is_symlink() or not target.is_dir():
+    something in it but no ``meta.json``; and a target whose parent cannot be a directory.
+
+    The target is looked at once (``lstat``, then its names): a pending asynchronous save to the
+    same path may move the old checkpoint aside at any instant, and a directory gone by the
+    time it is listed was a checkpoint being replaced.
+    """
+    try:
+        mode: int | None = os.lstat(target).st_mode
+    except OSError:  # not there (or its parent is no directory: refused below)
+        mode = None
+    if mode is not None:
+        if not stat.S_ISDIR(mode):  # a file, or a symbolic link
             raise CheckpointError(
                 f"{target} exists and is not a checkpoint directory; engine replaces only "
                 "checkpoints: save to another path, or remove it yourself"
             )
-        if not (target / META).is_file() and any(target.iterdir()):
+        try:
+            names = os.listdir(target)
+        except FileNotFoundError:  # moved aside meanwhile by the write replacing it
+            names = [META]
+        if names and META not in names:
             raise CheckpointError(
                 f"{target} is a directory with files but no {META}, not a checkpoint; engine "
                 "replaces only checkpoints (and empty directories): save to another path"

@@ -3,8 +3,12 @@
 The :class:`Event` enum is named after Lightning's ``Callback`` hooks so a migration is a rename.
 A listener is any object with methods named after the events it wants (``on_train_batch_end``)
 or a function registered with :func:`on` and an Ignite-style filter (``every=``, ``once=``, a
-predicate). Each receives one immutable :class:`EventRecord` and may return a request
-(:class:`Stop`); it cannot change the state, which is a frozen record anyway.
+predicate). Each receives one immutable :class:`EventRecord`, whose ``run`` is a read-only
+:class:`RunView` of the run, and may return requests: :class:`Stop`, :class:`Save`,
+:class:`Log`. **Listeners request, the driver acts**: the driver carries the requests out once
+the event has reached every listener, so no event fires inside another and a checkpoint holds
+every listener's state after the event. A listener cannot change the state, which is a frozen
+record anyway.
 
 Example:
     >>> from engine.events import Event, on
@@ -16,8 +20,11 @@ from __future__ import annotations
 
 import difflib
 import enum
-from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+import numbers
+import os
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 
@@ -25,10 +32,22 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
     from pathlib import Path
 
+    from engine.loop.config import LoopConfig
     from engine.state import TrainState
-    from engine.trainer import Trainer
+    from engine.task import Task
 
-__all__ = ["Event", "EventRecord", "Listener", "Stop", "check_listener", "on"]
+__all__ = [
+    "Event",
+    "EventRecord",
+    "Listener",
+    "Log",
+    "Request",
+    "RunView",
+    "Save",
+    "Stop",
+    "check_listener",
+    "on",
+]
 
 
 class Event(str, enum.Enum):
@@ -82,6 +101,124 @@ class Event(str, enum.Enum):
         return EventFilter(self, every=every, once=once, predicate=filter)
 
 
+_NO_METRICS: Mapping[str, float] = MappingProxyType({})
+
+
+def _counts(value: Iterable[float]) -> tuple[float, ...]:
+    return tuple(value)
+
+
+def _objects(value: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(value)
+
+
+def _read_only(metrics: Mapping[str, float]) -> Mapping[str, float]:
+    """A read-only mapping: the driver's snapshots (and other read-only mappings) as they are,
+    a mutable one (a dict) copied."""
+    if isinstance(metrics, MappingProxyType) or not isinstance(metrics, MutableMapping):
+        return metrics
+    return MappingProxyType(dict(metrics))
+
+
+@attrs.frozen(slots=False)  # an instance dict: the driver copies it to move the counters on
+class RunView:
+    """What a listener may know about the run: a read-only snapshot, ``rec.run``.
+
+    It stands where Lightning passes the ``trainer``, with the names of the trainer's
+    properties, so a migration is a rename: ``trainer.global_step`` is
+    ``rec.run.global_step``, ``trainer.callback_metrics`` is ``rec.run.callback_metrics``,
+    ``trainer.max_epochs`` is ``rec.run.config.max_epochs``. The driver builds a new one when
+    something in it changes (the counters with each batch, the metrics on logging steps, the
+    rest between loops), so a listener may keep one: it never changes under it. Nothing here
+    acts on the run; a listener returns requests instead (:class:`Stop`, :class:`Save`,
+    :class:`Log`), which the driver carries out after the event, so a request made in this
+    event shows in the views of later events (``should_stop``, the metrics of a ``Log``).
+
+    Attributes:
+        stage: the Trainer's stage: ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"``
+            (``""`` outside a run); the sanity check is part of ``"fit"``.
+        sanity_checking: whether the sanity check is running.
+        global_step: optimizer steps taken.
+        current_epoch: completed epochs (incremented after ``on_train_epoch_end``).
+        num_training_batches: training batches per epoch after ``limit_train_batches``
+            (``inf`` for a loader without a length).
+        num_val_batches: validation batches per dataloader, after ``limit_val_batches``.
+        num_test_batches: test batches per dataloader.
+        num_predict_batches: prediction batches per dataloader.
+        should_stop: whether a listener has asked to stop (:class:`Stop`) in an earlier event.
+        config: the Trainer's flags as resolved (:class:`~engine.loop.LoopConfig`):
+            ``config.max_epochs``, ``config.log_every_n_steps``, ``config.fast_dev_run``, ...
+            (``None`` only in a view built by hand, for a test).
+        callback_metrics: the latest host-side metrics, by name (what ``rec.metrics`` holds).
+        logged_metrics: the metrics last sent to the loggers, by name.
+        progress_bar_metrics: the metrics the progress bar shows.
+        default_root_dir: the Trainer's ``default_root_dir``.
+        log_dir: the first logger's directory, else ``default_root_dir``.
+        run_dir: the run directory the :class:`~engine.listeners.Journal` writes, once known.
+        task: the :class:`~engine.task.Task` being run (its ``lr``, ``prog_bar``, functions).
+        ckpt_path: the checkpoint the run resumed from, or ``None``.
+        loggers: the Trainer's loggers, to read (their ``version``, ``log_dir``); to log,
+            return :class:`Log`.
+        train_dataloader: the training dataloader ``fit`` was given (or got from the
+            datamodule).
+        datamodule: the datamodule ``fit`` was given, or ``None``.
+
+    Example:
+        >>> from engine.events import RunView
+        >>> run = RunView(stage="fit", global_step=40, callback_metrics={"val/loss": 0.25})
+        >>> run.global_step, run.callback_metrics["val/loss"], run.should_stop
+        (40, 0.25, False)
+    """
+
+    stage: str = ""
+    sanity_checking: bool = False
+    global_step: int = 0
+    current_epoch: int = 0
+    num_training_batches: float = 0
+    num_val_batches: tuple[float, ...] = attrs.field(default=(), converter=_counts)
+    num_test_batches: tuple[float, ...] = attrs.field(default=(), converter=_counts)
+    num_predict_batches: tuple[float, ...] = attrs.field(default=(), converter=_counts)
+    should_stop: bool = False
+    # the objects of the run are left out of the repr (a dataset in a list would fill it)
+    config: LoopConfig | None = attrs.field(default=None, repr=False)
+    callback_metrics: Mapping[str, float] = attrs.field(default=_NO_METRICS, converter=_read_only)
+    logged_metrics: Mapping[str, float] = attrs.field(default=_NO_METRICS, converter=_read_only)
+    progress_bar_metrics: Mapping[str, float] = attrs.field(
+        default=_NO_METRICS, converter=_read_only
+    )
+    default_root_dir: str = ""
+    log_dir: str | None = None
+    run_dir: str | None = None
+    task: Task | None = attrs.field(default=None, repr=False)
+    ckpt_path: str | None = None
+    loggers: tuple[Any, ...] = attrs.field(default=(), repr=False, converter=_objects)
+    train_dataloader: Any = attrs.field(default=None, repr=False)
+    datamodule: Any = attrs.field(default=None, repr=False)
+
+
+def _moved(view: RunView, global_step: int, current_epoch: int) -> RunView:
+    """``view`` at other counters, as the driver makes one a batch: a copy of its fields with
+    the two replaced (a sixth of the cost of building the record anew)."""
+    fields = view.__dict__.copy()
+    fields["global_step"] = global_step
+    fields["current_epoch"] = current_epoch
+    out = object.__new__(RunView)
+    object.__setattr__(out, "__dict__", fields)  # past the frozen __setattr__, as attrs does
+    return out
+
+
+_EMPTY_RUN = RunView()
+
+_NO_TRAINER = (
+    "an EventRecord has no trainer: listeners read the run through rec.run, a read-only view "
+    "with the trainer's names (rec.run.global_step, rec.run.current_epoch, "
+    "rec.run.callback_metrics, rec.run.config.max_epochs, ...), and ask the driver to act by "
+    "returning requests: `return eg.Save(path)` instead of trainer.save_checkpoint(path), "
+    "`return eg.Log({...})` instead of trainer.log_metrics(...), `return eg.Stop()` instead of "
+    "trainer.should_stop = True (see engine.events)"
+)
+
+
 @attrs.frozen
 class EventRecord:
     """What a listener receives: immutable, with everything known at that point.
@@ -91,7 +228,9 @@ class EventRecord:
         stage: ``"fit"``, ``"sanity_check"``, ``"validate"``, ``"test"`` or ``"predict"``
             (validation inside ``fit`` has stage ``"fit"``).
         state: the current :class:`TrainState` (read it; it cannot be changed).
-        metrics: the latest host-side metrics (``trainer.callback_metrics``) as floats.
+        metrics: the latest host-side metrics (``rec.run.callback_metrics``) as floats.
+        run: the read-only :class:`RunView` of the run (Lightning's ``trainer`` argument:
+            ``rec.run.global_step``, ``rec.run.num_training_batches``, ...).
         batch_idx: the batch index within the epoch / dataloader, for batch events.
         dataloader_idx: which evaluation or prediction dataloader, for those events.
         outputs: the step's metrics (tensors) for ``*_batch_end``; predictions for predict.
@@ -107,18 +246,19 @@ class EventRecord:
             ``on_load_checkpoint``.
         checkpoint_future: for ``on_save_checkpoint`` of an asynchronous save, a future of the
             checkpoint's path that completes once it is on disk (or fails as the write did);
-            None for a synchronous save, which is on disk when the event's caller returns. The
-            write starts after every listener has had the event (their states go into the
+            None for a synchronous save, which is on disk before the next event. The write
+            starts after every listener has had the event (their states go into the
             checkpoint), so wait on it later, never inside the handler.
-        trainer: the Trainer, for its read-only properties (``global_step``,
-            ``num_training_batches``, ``logged_metrics``, ...).
+
+    There is no ``trainer``: reading ``rec.trainer`` raises an ``AttributeError`` that says
+    what replaces it (``rec.run`` to read, requests to act).
     """
 
     event: Event
     stage: str
     state: TrainState | None
     metrics: Mapping[str, float]
-    trainer: Trainer
+    run: RunView = _EMPTY_RUN
     batch_idx: int | None = None
     dataloader_idx: int = 0
     outputs: Any = None
@@ -129,15 +269,141 @@ class EventRecord:
     checkpoint_path: str | None = None
     checkpoint_future: Future[Path] | None = None
 
+    @property
+    def trainer(self) -> NoReturn:
+        """Not here: read ``rec.run``, return requests (raises ``AttributeError`` saying so)."""
+        raise AttributeError(_NO_TRAINER)
+
+
+# ---------------------------------------------------------------------------- requests
+
 
 @attrs.frozen
 class Stop:
     """A listener's request to stop fitting (Lightning's ``trainer.should_stop = True``).
 
-    As in Lightning, fitting stops once ``min_epochs`` / ``min_steps`` are met.
+    As in Lightning, fitting stops once ``min_epochs`` / ``min_steps`` are met. The driver sets
+    ``should_stop`` after the event has reached every listener (later events see it in
+    ``rec.run.should_stop``), before it writes any checkpoint asked for in the same event.
     """
 
     reason: str = ""
+
+
+def _path(value: Any) -> str:
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        if isinstance(path, str) and path:
+            return path
+    raise TypeError(f"a checkpoint path must be a non-empty str or os.PathLike (got {value!r})")
+
+
+def _paths(value: Any) -> tuple[str, ...]:
+    if isinstance(value, (str, os.PathLike)):
+        return (_path(value),)  # one path, not its characters
+    if not isinstance(value, Iterable):
+        raise TypeError(f"replaces must be a path or an iterable of paths (got {value!r})")
+    return tuple(_path(v) for v in value)
+
+
+def _flag(name: str) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"Save({name}={value!r}): pass True or False")
+
+    return check
+
+
+@attrs.frozen
+class Save:
+    """A listener's request to save a checkpoint of the run (``trainer.save_checkpoint``).
+
+    The driver writes it once the event has reached every listener (so it holds each
+    listener's state after the event, and the effect of the event's :class:`Stop` and
+    :class:`Log` requests), firing ``on_save_checkpoint`` first. Once the checkpoint is on disk
+    it deletes the checkpoints in ``replaces`` (:func:`engine.checkpoint.remove`), the way
+    :class:`~engine.listeners.ModelCheckpoint` drops one that left the top k; a write that
+    fails deletes nothing.
+
+    Args:
+        path: where to write the checkpoint (a directory; see :mod:`engine.checkpoint`).
+        asynchronous: write in the background: the loop waits only for a snapshot of the state
+            (:func:`engine.checkpoint.save_async`); the checkpoints in ``replaces`` are deleted
+            once it has landed, and the run waits for it before it ends.
+        weights_only: save the model alone (Lightning's meaning): ``validate`` / ``test`` /
+            ``predict`` can start from it, ``fit`` cannot.
+        replaces: checkpoints to delete once this one is on disk (a path or several).
+
+    Raises:
+        TypeError: for a path that is not a non-empty str or ``os.PathLike``, or a flag that
+            is not a bool.
+
+    Example:
+        >>> import engine as eg
+        >>> class SaveEvery100(eg.Listener):
+        ...     def on_train_batch_end(self, rec):
+        ...         if rec.run.global_step % 100 == 0:
+        ...             return eg.Save(f"ckpts/step={rec.run.global_step}")
+        >>> eg.Save("ckpts/step=200", replaces="ckpts/step=100").replaces
+        ('ckpts/step=100',)
+    """
+
+    path: str = attrs.field(converter=_path)
+    asynchronous: bool = attrs.field(default=False, kw_only=True, validator=_flag("asynchronous"))
+    weights_only: bool = attrs.field(default=False, kw_only=True, validator=_flag("weights_only"))
+    replaces: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=_paths)
+
+
+def _floats(value: Any) -> Mapping[str, float]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"Log(metrics={value!r}): pass a mapping of names to floats")
+    out: dict[str, float] = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise TypeError(f"Log(metrics=...): the names must be str (got {k!r})")
+        if not isinstance(v, numbers.Real):
+            raise TypeError(
+                f"Log(metrics=...): {k!r} is a {type(v).__name__}, not a number; log host-side "
+                "floats (a tensor's .item() reads it, one host-device sync)"
+            )
+        out[k] = float(v)
+    return MappingProxyType(out)
+
+
+def _step(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"Log(step={value!r}): pass an int >= 0, or None for the global step")
+
+
+@attrs.frozen
+class Log:
+    """A listener's request to log metrics (``trainer.log_metrics``): host-side numbers, sent
+    to every logger at ``step`` (default: the global step) and recorded in
+    ``logged_metrics`` and ``callback_metrics``, once the event has reached every listener.
+
+    Args:
+        metrics: ``{name: number}``; stored as floats.
+        step: the step to log at, or ``None`` for the global step.
+
+    Raises:
+        TypeError: for metrics that are not a mapping of str to numbers (a tensor included:
+            read it with ``.item()``).
+        ValueError: for a step that is not an int >= 0.
+
+    Example:
+        >>> import engine as eg
+        >>> eg.Log({"lr": 0.1}, step=3)
+        Log(metrics={'lr': 0.1}, step=3)
+    """
+
+    metrics: Mapping[str, float] = attrs.field(converter=_floats, repr=lambda m: repr(dict(m)))
+    step: int | None = attrs.field(default=None, validator=_step)
+
+
+Request = Stop | Save | Log
+"""What a handler may return (or a list / tuple of them, or None)."""
+
+_REQUESTS = (Stop, Save, Log)
 
 
 @attrs.define
@@ -271,17 +537,14 @@ def check_listener(listener: Any) -> None:
 
 
 class Emitter:
-    """Dispatches events to listeners; the handler table is built once, so an event nobody
-    listens to costs one dict lookup."""
+    """Dispatches events to listeners and collects their requests; the handler table is built
+    once, so an event nobody listens to costs one dict lookup."""
 
     def __init__(self, listeners: Iterable[Any]) -> None:
         self.listeners = list(listeners)
         for listener in self.listeners:
             check_listener(listener)
-        # the event being dispatched and the index of the handler being called (a checkpoint
-        # saved by a handler records who is yet to have the event: a resume calls them)
-        self._event: Event | None = None
-        self._index = 0
+        self.dispatching: Event | None = None  # the event whose handlers are running
         self.table: dict[Event, list[Callable[[EventRecord], Any]]] = {}
         for event in Event:
             handlers = [
@@ -295,36 +558,43 @@ class Emitter:
     def wants(self, event: Event) -> bool:
         return event in self.table
 
-    def emit(
-        self,
-        event: Event,
-        make_record: Callable[[], EventRecord],
-        on_request: Callable[[Any], None],
-        only: Collection[int] | None = None,
-    ) -> None:
-        """Call the handlers of ``event`` (only those of the listeners whose ``id`` is in
-        ``only``, when given), passing each non-None return value to ``on_request`` before the
-        next handler runs."""
+    def emit(self, event: Event, record: EventRecord) -> list[tuple[Any, Request]]:
+        """Call the handlers of ``event`` with ``record``, in listener order; returns the
+        requests they made, in that order, each with the listener that made it (empty when
+        none). Carrying them out is the caller's: after this returns, so that every listener
+        has had the event first.
+
+        Raises:
+            TypeError: when a handler returns something other than None, a request or a
+                list / tuple of requests.
+        """
         handlers = self.table.get(event)
         if not handlers:
-            return
-        record = make_record()
-        outer_event, outer_index = self._event, self._index  # emits nest (a save in a handler)
-        self._event = event
+            return []
+        made: list[tuple[Any, Request]] = []
+        outer, self.dispatching = self.dispatching, event
         try:
-            for i, handle in enumerate(handlers):
-                if only is not None and id(getattr(handle, "__self__", None)) not in only:
-                    continue
-                self._index = i
+            for handle in handlers:
                 out = handle(record)
                 if out is not None:
-                    on_request(out)
+                    _collect(made, handle, event, out)
         finally:
-            self._event, self._index = outer_event, outer_index
+            self.dispatching = outer
+        return made
 
-    def pending(self) -> tuple[Event, list[Any]] | None:
-        """The event being dispatched and the listeners that have not had it yet."""
-        if self._event is None:
-            return None
-        later = self.table[self._event][self._index + 1 :]
-        return self._event, [getattr(h, "__self__", None) for h in later]
+
+def _collect(made: list[tuple[Any, Request]], handle: Any, event: Event, out: Any) -> None:
+    listener = getattr(handle, "__self__", None)
+    if isinstance(out, _REQUESTS):
+        made.append((listener, out))
+        return
+    if isinstance(out, (list, tuple)) and all(isinstance(r, _REQUESTS) for r in out):
+        made.extend((listener, r) for r in out)
+        return
+    who = type(listener).__name__ if listener is not None else repr(handle)
+    if isinstance(listener, _FunctionListener):
+        who = repr(listener)
+    raise TypeError(
+        f"{who}.{event.value} returned {out!r}; a handler returns None, a request "
+        "(engine.Stop, engine.Save, engine.Log) or a list or tuple of them"
+    )

@@ -2,9 +2,12 @@
 
 The driver owns loop limits and the validation schedule, calls the steps built from a
 :class:`~engine.task.Task`, keeps host-side metrics, and emits :class:`~engine.events.Event` s.
-It never reaches inside a step. The loop semantics (which batches train, when the optimizer
-steps, when validation runs, what ``global_step`` / ``current_epoch`` read) follow Lightning 2.x;
-``tests/test_lightning_parity.py`` runs the same configurations through Lightning itself.
+It never reaches inside a step, and no listener reaches into it: a listener reads ``rec.run``
+(a read-only :class:`~engine.events.RunView`) and returns requests (``Stop``, ``Save``,
+``Log``), which the driver carries out once the event has reached every listener. The loop
+semantics (which batches train, when the optimizer steps, when validation runs, what
+``global_step`` / ``current_epoch`` read) follow Lightning 2.x; ``tests/test_lightning_parity.py``
+runs the same configurations through Lightning itself.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import contextlib
 import math
 import os
 import warnings
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
@@ -38,7 +42,7 @@ from engine.data import (
     seed_shuffle,
     stateful,
 )
-from engine.events import Emitter, Event, EventRecord, Stop
+from engine.events import Emitter, Event, EventRecord, Log, RunView, Save, Stop, _moved
 from engine.loop import Phase, schedule
 from engine.metrics import MetricReducer
 from engine.optim import clip_by_global_norm, clip_by_value
@@ -148,10 +152,17 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
         self.val_check_batch: float = math.inf
         self._val_loaded_at: int | None = None  # the epoch the val loaders were last fetched
         self.callback_metrics: dict[str, float] = {}
-        self._snapshot: Mapping[str, float] = MappingProxyType({})
-        self._snapshot_of = self._metrics_version = 0  # bumped whenever callback_metrics changes
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
+        # bumped whenever the metrics or should_stop change: the listeners' view is rebuilt then
+        self._version = 0
+        self._snapshots_of = -1  # the version of the metrics' snapshots below
+        self._snapshots: tuple[Mapping[str, float], ...] = ()
+        self._view: RunView | None = None  # the latest view of the run (_view_now, _batch_view)
+        self._view_state: TrainState | None = None  # ... the state it was built for
+        self._view_version = -1  # ... and the version
+        # asynchronous saves requested by listeners, with the checkpoints each replaces
+        self._in_flight: list[tuple[Future[Any], tuple[str, ...]]] = []
         self.profile: dict[str, list[float]] = {}
         self._total_batch_idx = 0  # training batches across epochs (val_check_interval's count)
         self._signal: int | None = None  # SIGTERM / SIGINT received during fit
@@ -162,8 +173,6 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
         self.datamodule: Any = None  # the datamodule fit() was given, if any
         self._phase = Phase.BETWEEN  # where the fit loop is (saved with checkpoints)
         self._resume_phase: Phase | None = None  # the phase a restored checkpoint was saved in
-        # ... and the event being dispatched, with the keys of the listeners yet to have it
-        self._resume_event: tuple[Event, list[str]] | None = None
         self._emitter = Emitter(())  # rebuilt from the listeners by each run
         self._data_position: Any = None  # a stateful loader's state after the current batch
         self._positioned: list[Any] = []  # training loaders the fit seeded or positioned
@@ -254,45 +263,123 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
                 return str(listener.dirpath)
         return None
 
-    def _metrics_view(self) -> Mapping[str, float]:
-        # An immutable snapshot for event records, rebuilt only when the metrics changed (one
-        # copy per logging step instead of one per event).
-        if self._snapshot_of != self._metrics_version:
-            self._snapshot = MappingProxyType(dict(self.callback_metrics))
-            self._snapshot_of = self._metrics_version
-        return self._snapshot
-
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Send host-side metrics to every logger and record them as logged/callback metrics."""
+        """Send host-side metrics to every logger and record them as logged/callback metrics.
+
+        For the driver and for code outside events; a listener returns
+        :class:`~engine.events.Log` instead.
+        """
         step = self.global_step if step is None else step
         for lg in self.loggers:
             lg.log_metrics(dict(metrics), step)
         self.logged_metrics.update(metrics)
         self.callback_metrics.update(metrics)
-        self._metrics_version += 1
+        self._version += 1
 
     # ------------------------------------------------------------------ events
 
-    def _emit(self, event: Event, only: Collection[int] | None = None, **fields: Any) -> None:
+    def _metric_snapshots(self) -> tuple[Mapping[str, float], ...]:
+        """Immutable copies of the callback, logged and progress-bar metrics, made once per
+        change (a copy per logging step, not per event)."""
+        if self._snapshots_of != self._version:
+            self._snapshots = tuple(
+                MappingProxyType(dict(m))
+                for m in (self.callback_metrics, self.logged_metrics, self.progress_bar_metrics)
+            )
+            self._snapshots_of = self._version
+        return self._snapshots
+
+    def _view_now(self) -> RunView:
+        """The listeners' view of the run, built anew (for the events between batches, where
+        anything in it may have changed: stage, batch counts, directories...)."""
+        callback, logged, shown = self._metric_snapshots()
+        state = self._state
+        view = RunView(
+            stage=self.stage or "",
+            sanity_checking=self.sanity_checking,
+            global_step=self.global_step,
+            current_epoch=self.current_epoch,
+            num_training_batches=self.num_training_batches,
+            num_val_batches=self.num_val_batches,
+            num_test_batches=self.num_test_batches,
+            num_predict_batches=self.num_predict_batches,
+            should_stop=self.should_stop,
+            config=self.config,
+            callback_metrics=callback,
+            logged_metrics=logged,
+            progress_bar_metrics=shown,
+            default_root_dir=self.default_root_dir,
+            log_dir=self.log_dir,
+            run_dir=self.run_dir,
+            task=self.task,
+            ckpt_path=self.ckpt_path,
+            loggers=self.loggers,
+            train_dataloader=self.train_dataloader,
+            datamodule=self.datamodule,
+        )
+        self._view, self._view_state, self._view_version = view, state, self._version
+        return view
+
+    def _batch_view(self) -> RunView:
+        """The view for a batch event: the last one, moved to the current counters when the
+        state changed (once a batch), built anew only when the metrics or should_stop did."""
+        view = self._view
+        if view is None or self._view_version != self._version:
+            return self._view_now()
+        state = self._state
+        if state is not self._view_state and state is not None:
+            view = self._view = _moved(view, state.step, state.epoch)
+            self._view_state = state
+        return view
+
+    def _emit(self, event: Event, **fields: Any) -> None:
+        """Emit an event between batches (the view of the run is built anew)."""
         if not self._emitter.wants(event):
             return
+        view = self._view_now()
+        stage = "sanity_check" if self.sanity_checking else view.stage
+        record = EventRecord(event, stage, self._state, view.callback_metrics, view, **fields)
+        requests = self._emitter.emit(event, record)
+        if requests:
+            self._carry_out(event, requests)
+        if self._in_flight:
+            self._reap(wait=False)
 
-        def record() -> EventRecord:
-            return EventRecord(
-                event=event,
-                stage="sanity_check" if self.sanity_checking else (self.stage or ""),
-                state=self._state,
-                metrics=self._metrics_view(),
-                trainer=self,
-                **fields,
+    def _emit_batch(self, event: Event, **fields: Any) -> None:
+        """Emit a batch event (the hot path: the view is reused within a batch)."""
+        if not self._emitter.wants(event):
+            return
+        view = self._batch_view()
+        stage = "sanity_check" if self.sanity_checking else view.stage
+        record = EventRecord(event, stage, self._state, view.callback_metrics, view, **fields)
+        requests = self._emitter.emit(event, record)
+        if requests:
+            self._carry_out(event, requests)
+        if self._in_flight:
+            self._reap(wait=False)
+
+    def _carry_out(self, event: Event, requests: list[tuple[Any, Any]]) -> None:
+        """The requests the listeners made in ``event``, now that every listener has had it:
+        stops and logs in listener order, then the saves in listener order, so that every
+        checkpoint saved in an event holds the run as the event left it (a stop asked for by a
+        listener listed after the one saving included)."""
+        saves = []
+        for listener, request in requests:
+            if isinstance(request, Save):
+                saves.append((listener, request))
+            elif isinstance(request, Stop):
+                self.should_stop = True
+                self._version += 1
+            elif isinstance(request, Log):
+                self.log_metrics(request.metrics, request.step)
+        if saves and event is Event.ON_SAVE_CHECKPOINT:
+            raise RuntimeError(
+                f"{type(saves[0][0]).__name__}.on_save_checkpoint returned {saves[0][1]!r}: a "
+                "save requested while a save is being carried out would fire on_save_checkpoint "
+                "again; save from another event"
             )
-
-        self._emitter.emit(event, record, self._request, only)
-
-    def _request(self, request: Any) -> None:
-        # at once, so a listener after the one asking (a checkpoint, say) sees the request
-        if isinstance(request, Stop):
-            self.should_stop = True
+        for listener, request in saves:
+            self._save_requested(listener, request)
 
     @contextlib.contextmanager
     def _run(
@@ -308,6 +395,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
         state.check_alive(f"Trainer.{stage}()")
         self.task, self._state, self.stage = task, state, stage
         self.should_stop = False
+        self.ckpt_path = None  # set by _restore when this run resumes from a checkpoint
         self._emitter = Emitter(self.callbacks)
         stack = contextlib.ExitStack()
         if stage == "fit":
@@ -327,9 +415,11 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             stack.callback(setattr, torch.backends.cudnn, "benchmark", previous_bm)
         profiler = self._profiler(stage)
         stack.enter_context(profiler)
-        # asynchronous saves land before the run returns; the host copy they keep for the next
-        # snapshot (one state's worth of memory) is not kept past the run
+        # asynchronous saves land before the run returns (and then delete what they replace);
+        # the host copy they keep for the next snapshot (one state's worth of memory) is not
+        # kept past the run
         stack.callback(checkpoint.release_buffers)
+        stack.callback(self._reap, wait=True)
         stack.callback(checkpoint.wait)
         with stack:
             self._emit(Event.SETUP)
@@ -406,7 +496,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
                 stacklevel=2,
             )
         self._total_batch_idx = 0  # a checkpoint, if given, restores these
-        self._phase, self._resume_phase, self._resume_event = Phase.BETWEEN, None, None
+        self._phase, self._resume_phase = Phase.BETWEEN, None
         self._data_position = self._resume_data_state = None
         self._positioned = []
         with self._run("fit", task, state, ckpt_path):
@@ -457,7 +547,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
 
         def at(event: Event, **fields: Any) -> None:
             assert self._state is not None
-            self._emit(event, batch_idx=self._state.batch_idx, **fields)
+            self._emit_batch(event, batch_idx=self._state.batch_idx, **fields)
 
         def named(grads: Any) -> Mapping[str, Any]:
             assert self._state is not None
@@ -527,11 +617,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             epoch = self.current_epoch
             assert self._state is not None
             if self._resume_phase is Phase.EPOCH_END:
-                # saved while the epoch was ending: its end (logging, events) has happened but
-                # for the listeners after the one that saved
-                self._phase = Phase.EPOCH_END
-                self._complete_event(Event.ON_TRAIN_EPOCH_END)
-                self._resume_phase, self._phase = None, Phase.BETWEEN
+                # saved at the end of the epoch: its end (logging, events) has happened
+                self._resume_phase = None
                 reducer.reset()
                 self._state = self._state.replace(epoch=epoch + 1, batch_idx=0)
                 continue
@@ -635,7 +722,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
                 continue
             batch = self._transforms.move(batch)  # on the device, as listeners see it too
             self._data_position = position
-            self._emit(Event.ON_TRAIN_BATCH_START, batch=batch, batch_idx=batch_idx)
+            self._emit_batch(Event.ON_TRAIN_BATCH_START, batch=batch, batch_idx=batch_idx)
             steps = is_last or (batch_idx + 1) % self.accumulate_grad_batches == 0
             self._state, metrics = step(self._state, batch, flush=is_last)
             if track:
@@ -643,8 +730,10 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
                 reducer.update(metrics, batch_size(batch))
                 if steps and self._state.step % self.log_every_n_steps == 0:
                     self._log_step(metrics)
-            self._phase = Phase.BATCH_END
-            self._emit(Event.ON_TRAIN_BATCH_END, outputs=metrics, batch=batch, batch_idx=batch_idx)
+            self._phase = Phase.BATCH_END  # a checkpoint saved now still validates on resume
+            self._emit_batch(
+                Event.ON_TRAIN_BATCH_END, outputs=metrics, batch=batch, batch_idx=batch_idx
+            )
             if validate_this_epoch and self._validates_after(batch_idx, is_last):
                 self._phase = Phase.VALIDATION
                 val_loaders = self._reload_val_loaders(val_loaders, dm)
@@ -722,6 +811,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             name = k.split("/", 1)[-1].split("/dataloader_idx_")[0]
             if name in shown:
                 self.progress_bar_metrics[k] = v
+        self._version += 1
 
     # ------------------------------------------------------------------ evaluation loops
 
@@ -744,12 +834,12 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             reducer = MetricReducer(self.task.reduce)
             for batch_idx, batch, _, _ in lookahead(loader, limit):
                 batch = self._transforms.move(batch)
-                self._emit(
+                self._emit_batch(
                     ev["batch_start"], batch=batch, batch_idx=batch_idx, dataloader_idx=dl_idx
                 )
                 metrics = step(self._state, batch)
                 reducer.update(metrics, batch_size(batch))
-                self._emit(
+                self._emit_batch(
                     ev["batch_end"],
                     outputs=metrics,
                     batch=batch,
@@ -765,6 +855,8 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
         if self._phase is Phase.VALIDATION:  # fit's validation has its results: a resume keeps them
             self._phase = Phase.VALIDATED
         self._emit(ev["epoch_end"])
+        if self._phase is Phase.VALIDATED:  # ... and its epoch end has been dispatched
+            self._phase = Phase.VALIDATION_END
         self._emit(ev["end"])
         return results
 
@@ -866,7 +958,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
                 outs: list[Any] = []
                 for batch_idx, batch, _, _ in lookahead(loader, limit):
                     batch = self._transforms.move(batch)
-                    self._emit(
+                    self._emit_batch(
                         Event.ON_PREDICT_BATCH_START,
                         batch=batch,
                         batch_idx=batch_idx,
@@ -875,7 +967,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
                     out = step(self._state, batch)
                     if keep:
                         outs.append(out)
-                    self._emit(
+                    self._emit_batch(
                         Event.ON_PREDICT_BATCH_END,
                         outputs=out,
                         batch=batch,

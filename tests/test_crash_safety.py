@@ -167,6 +167,28 @@ def test_remove_takes_files_links_and_missing_paths(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
+def test_a_save_to_a_path_a_pending_write_is_replacing_is_not_refused(tmp_path, monkeypatch):
+    """An asynchronous save to "last" checks the target while the writer thread replaces the
+    previous "last" (moved aside between two renames): a directory gone when it is listed was
+    a checkpoint, not something engine must refuse to replace."""
+    state = eg.TrainState.create(nn.Linear(3, 2), optim.sgd(0.1))
+    target = checkpoint.save(state, tmp_path / "last")
+    listdir = os.listdir
+
+    def moved_aside(path):
+        if Path(path) == target:
+            raise FileNotFoundError(path)
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", moved_aside)
+    checkpoint._replaceable(target)  # no error
+    monkeypatch.setattr(os, "listdir", listdir)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("mine")
+    with pytest.raises(checkpoint.CheckpointError, match=r"no meta\.json, not a checkpoint"):
+        checkpoint._replaceable(tmp_path / "data")
+
+
 # --------------------------------------------------------------------------- random SIGKILLs
 
 _FIT = textwrap.dedent("""

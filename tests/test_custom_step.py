@@ -40,8 +40,9 @@ class _SaveAt(eg.Listener):
         self.step, self.path = step, path
 
     def on_train_batch_end(self, rec):
-        if rec.trainer.global_step == self.step:
-            rec.trainer.save_checkpoint(self.path)
+        if rec.run.global_step == self.step:
+            return eg.Save(self.path)
+        return None
 
 
 def _fit(root: Path, ckpt_path: str | None = None, **kw) -> eg.TrainState:

@@ -84,7 +84,8 @@ class _SaveAt(eg.Listener):
     def on_train_batch_end(self, rec):
         if rec.state.step == self.step and self.fingerprint is None:
             self.fingerprint = rec.state.fingerprint()
-            rec.trainer.save_checkpoint(self.path)
+            return eg.Save(self.path)
+        return None
 
 
 def test_checkpoints_are_journaled_with_a_fingerprint_and_a_resume_appends(tmp_path):
@@ -118,7 +119,8 @@ class _SaveAsyncAt(eg.Listener):
     def on_train_batch_end(self, rec):
         if rec.state.step in self.steps and rec.state.step not in self.fingerprints:
             self.fingerprints[rec.state.step] = rec.state.fingerprint()
-            rec.trainer.save_checkpoint(self.root / f"s{rec.state.step}", asynchronous=True)
+            return eg.Save(self.root / f"s{rec.state.step}", asynchronous=True)
+        return None
 
 
 def test_an_asynchronous_checkpoint_is_journaled_once_on_disk_with_the_writers_fingerprint(
@@ -215,18 +217,26 @@ from engine.listeners import Journal
 
 real = checkpoint._write
 checkpoint._write = lambda *a, **k: time.sleep(0.2) or real(*a, **k)
+real_async = checkpoint.save_async
 root = Path(tempfile.mkdtemp())
+
+def cancelling(state, path, **kw):  # "b" is queued behind "a": its write is cancelled
+    queued = real_async(state, path, **kw)
+    if Path(path).name == "b":
+        assert queued.cancel()
+    return queued
+
+checkpoint.save_async = cancelling
 
 class Refuses(eg.Listener):
     def on_save_checkpoint(self, rec):
-        raise RuntimeError("a listener refuses this save")
+        if Path(rec.checkpoint_path).parent == root:
+            raise RuntimeError("a listener refuses this save")
 
 class Saver(eg.Listener):
     def on_train_batch_end(self, rec):
         if rec.state.step == 2:
-            rec.trainer.save_checkpoint(root / "a", asynchronous=True)
-            queued = rec.trainer.save_checkpoint(root / "b", asynchronous=True)
-            assert queued.cancel()
+            return [eg.Save(root / "a", asynchronous=True), eg.Save(root / "b", asynchronous=True)]
 
 task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
 data = [(torch.randn(4, 3), torch.randn(4, 1))] * 4
@@ -260,7 +270,7 @@ def test_a_refused_or_cancelled_asynchronous_save_ends_the_fit_rather_than_hangi
 def test_a_checkpoint_saved_at_train_end_after_the_journal_is_journaled(tmp_path):
     class SaveAtEnd(eg.Listener):
         def on_train_end(self, rec):
-            rec.trainer.save_checkpoint(tmp_path / "end")
+            return eg.Save(tmp_path / "end")
 
     task = _task()
     _trainer(tmp_path, max_epochs=1, callbacks=[Journal(tmp_path / "run"), SaveAtEnd()]).fit(

@@ -134,7 +134,7 @@ def _engine_run(kwargs, loaders, stop_at=None):
 
     def make(name):
         def handle(self, rec):
-            t = rec.trainer
+            t = rec.run
             if name == "on_train_batch_start":
                 now.update(trainer=t, batch_idx=rec.batch_idx)
             if name.endswith("_batch_start") or name.endswith("_batch_end"):

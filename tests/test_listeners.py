@@ -11,18 +11,20 @@ import io
 import math
 import pickle
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any
 from unittest import mock
 
+import attrs
 import pytest
 import torch
 from torch import nn
 
 import engine as eg
 from engine import optim
-from engine.events import Emitter, Event, EventRecord, Stop
+from engine.events import Emitter, Event, EventRecord, Log, RunView, Stop
 from engine.listeners import (
     EarlyStopping,
     EarlyStoppingReason,
@@ -41,7 +43,9 @@ from engine.loop import resolve
 
 
 class FakeFit:
-    """The Trainer's read-only surface, and a fit loop emitting events in Lightning's order.
+    """A fit loop emitting events in Lightning's order, with the view of the run a listener
+    gets (``rec.run``) built from its attributes, and the Stop and Log requests carried out
+    after each event.
 
     ``val_metrics(epoch)`` is merged into the callback metrics at the end of each validation
     (Lightning's ``on_validation_epoch_end`` logging), ``train_epoch_metrics(epoch)`` before
@@ -84,16 +88,45 @@ class FakeFit:
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
         self._pbm: dict[str, float] = {}
-        self.log_dir, self.default_root_dir = None, "."
+        self.num_test_batches: list[float] = []
+        self.num_predict_batches: list[float] = []
+        self.log_every_n_steps = 1
         self.sanity_checking = False
         self.should_stop = False
         self.stops: list[Stop] = []
         self.events: list[str] = []
         self.logged: list[tuple[int | None, dict[str, float]]] = []
 
-    @property
-    def progress_bar_metrics(self) -> dict[str, float]:
-        return self._pbm
+    def _shown(self) -> Mapping[str, float]:
+        """What the view holds as ``progress_bar_metrics``."""
+        return MappingProxyType(dict(self._pbm))
+
+    def view(self, stage: str = "fit") -> RunView:
+        config = getattr(self, "config", None)
+        if config is not None:
+            config = attrs.evolve(
+                config,
+                log_every_n_steps=self.log_every_n_steps,
+                num_sanity_val_steps=self.num_sanity_val_steps,
+            )
+        return RunView(
+            stage=stage,
+            sanity_checking=self.sanity_checking,
+            global_step=self.global_step,
+            current_epoch=self.current_epoch,
+            num_training_batches=self.num_training_batches,
+            num_val_batches=tuple(self.num_val_batches),
+            num_test_batches=tuple(self.num_test_batches),
+            num_predict_batches=tuple(self.num_predict_batches),
+            should_stop=self.should_stop,
+            config=config,
+            callback_metrics=MappingProxyType(dict(self.callback_metrics)),
+            logged_metrics=MappingProxyType(dict(self.logged_metrics)),
+            progress_bar_metrics=self._shown(),
+            default_root_dir=".",
+            task=self.task,
+            loggers=tuple(self.loggers),
+        )
 
     @property
     def global_step(self) -> int:
@@ -115,17 +148,16 @@ class FakeFit:
         self.events.append(event.value)
         stage = "sanity_check" if self.sanity_checking else stage
 
-        def record() -> EventRecord:
-            return EventRecord(
-                event, stage, self.state, dict(self.callback_metrics), self, **fields
-            )
-
-        def on_request(request: Any) -> None:
+        if not self.emitter.wants(event):
+            return
+        run = self.view("fit" if stage == "sanity_check" else stage)
+        record = EventRecord(event, stage, self.state, run.callback_metrics, run, **fields)
+        for _, request in self.emitter.emit(event, record):  # after every listener had it
             if isinstance(request, Stop):
                 self.should_stop = True
                 self.stops.append(request)
-
-        self.emitter.emit(event, record, on_request)
+            elif isinstance(request, Log):
+                self.log_metrics(dict(request.metrics), request.step)
 
     def _can_stop(self) -> bool:
         return self.should_stop and self.current_epoch >= self.min_epochs
@@ -492,12 +524,13 @@ def test_lr_monitor_follows_log_every_n_steps_and_logs_once_per_optimizer_step()
     fit.logged.clear()
     fit.log_every_n_steps = 1
     state = fit.state.replace(step=10)
+    requests = []
     for micro in (0, 1, 2):
         rec = EventRecord(
-            Event.ON_TRAIN_BATCH_START, "fit", state.replace(micro_step=micro), {}, fit
+            Event.ON_TRAIN_BATCH_START, "fit", state.replace(micro_step=micro), {}, fit.view()
         )
-        monitor.on_train_batch_start(rec)
-    assert fit.logged == [(10, {"lr": 0.1})]
+        requests.append(monitor.on_train_batch_start(rec))
+    assert requests == [Log({"lr": 0.1}, step=10), None, None]
 
 
 def test_lr_monitor_logs_momentum_when_the_task_has_one():
@@ -642,16 +675,35 @@ def test_timer_prints_when_the_limit_is_reached(clock, capsys):
 
 
 class _CountingTrainer(FakeFit):
-    """Records the batch index at every read of progress_bar_metrics."""
+    """Records the batch index at every read of the view's progress_bar_metrics."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.reads: list[int] = []
         super().__init__(*args, **kwargs)
 
-    @property
-    def progress_bar_metrics(self) -> dict[str, float]:
-        self.reads.append(self.state.batch_idx)
-        return self._pbm
+    def _shown(self) -> Mapping[str, float]:
+        return _Reads(dict(self._pbm), self.reads, self.state.batch_idx)
+
+
+class _Reads(Mapping[str, float]):
+    """A mapping that records ``at`` in ``reads`` whenever its keys are read."""
+
+    def __init__(self, data: dict[str, float], reads: list[int], at: int) -> None:
+        self._data, self._reads, self._at = data, reads, at
+
+    def keys(self) -> Any:
+        self._reads.append(self._at)
+        return self._data.keys()
+
+    def __getitem__(self, key: str) -> float:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        self._reads.append(self._at)
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 def _screen(out: io.StringIO) -> list[str]:

@@ -75,8 +75,8 @@ class ValLosses(eg.Listener):
         self.rows: list[tuple[int, int, float]] = []
 
     def on_validation_end(self, rec):
-        if rec.stage == "fit" and not rec.trainer.sanity_checking:
-            t = rec.trainer
+        if rec.stage == "fit" and not rec.run.sanity_checking:
+            t = rec.run
             self.rows.append((t.current_epoch, t.global_step, t.callback_metrics["val/loss"]))
 
 
@@ -328,7 +328,7 @@ def test_ckpt_path_best_and_last_resolve_through_the_listener(tmp_path):
 
     # "last": the newest checkpoint in the listener's dirpath (not default_root_dir/checkpoints)
     seen = []
-    probe = eg.on(eg.Event.ON_LOAD_CHECKPOINT, lambda rec: seen.append(rec.trainer.global_step))
+    probe = eg.on(eg.Event.ON_LOAD_CHECKPOINT, lambda rec: seen.append(rec.run.global_step))
     fresh = eg.ModelCheckpoint(tmp_path / "custom", monitor="val/loss", save_top_k=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the directory is not empty; resuming mid-epoch

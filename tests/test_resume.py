@@ -54,8 +54,9 @@ class _SaveAt(eg.Listener):
         self.step, self.path = step, path
 
     def on_train_batch_end(self, rec):
-        if rec.trainer.global_step == self.step:
-            rec.trainer.save_checkpoint(self.path)
+        if rec.run.global_step == self.step:
+            return eg.Save(self.path)
+        return None
 
 
 def test_resume_mid_epoch_inside_an_accumulation_window_is_bitwise(tmp_path):
@@ -138,7 +139,7 @@ def test_sigterm_finishes_the_step_saves_and_the_resume_is_exact(tmp_path):
 
         class Kill(eg.Listener):
             def on_train_batch_start(self, rec):
-                if rec.trainer.global_step == 13:
+                if rec.run.global_step == 13:
                     os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-step
 
         task = _task()
@@ -329,13 +330,31 @@ class _SaveOn(eg.Listener):
         setattr(self, event, self._maybe_save)
 
     def _maybe_save(self, rec):
-        t = rec.trainer
-        if t.current_epoch == self.epoch and rec.batch_idx == self.batch_idx:
-            t.save_checkpoint(self.path)
+        if rec.run.current_epoch == self.epoch and rec.batch_idx == self.batch_idx:
             self.rows_at_save = len(self.log.rows) if self.log is not None else 0
+            return eg.Save(self.path)
+        return None
 
 
 import pytest  # noqa: E402
+
+
+class _Ends(eg.Listener):
+    """The ends of the fit's validations, in order, and how many preceded the checkpoint saved
+    to ``path`` (a save comes after its event has reached every listener)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path, self.seen, self.at_save = path, [], None
+
+    def _see(self, rec) -> None:
+        if rec.stage == "fit" and not rec.run.sanity_checking:
+            self.seen.append((rec.event.value, rec.run.global_step))
+
+    on_validation_epoch_end = on_validation_end = _see
+
+    def on_save_checkpoint(self, rec):
+        if self.path is not None and rec.checkpoint_path == str(self.path):
+            self.at_save = len(self.seen)
 
 
 @pytest.mark.parametrize(
@@ -343,6 +362,7 @@ import pytest  # noqa: E402
     [
         ("on_train_batch_end", 1, 1),  # before this batch's scheduled validation
         ("on_validation_end", 1, None),  # after the validation of a batch
+        ("on_validation_epoch_end", 1, None),  # with its on_validation_end still to come
         ("on_validation_batch_end", 1, 1),  # in the middle of that validation
         ("on_train_epoch_end", 0, None),  # after the epoch's metrics were logged
     ],
@@ -359,22 +379,75 @@ def test_a_resume_completes_the_batch_or_epoch_the_checkpoint_was_saved_in(
         "enable_progress_bar": False,
         "enable_model_summary": False,
     }
-    full_log = _Log()
-    eg.Trainer(logger=full_log, **kw).fit(task, task.init(_model(), seed=5), data, data[:3])
+    full_log, full_ends = _Log(), _Ends()
+    eg.Trainer(logger=full_log, callbacks=[full_ends], **kw).fit(
+        task, task.init(_model(), seed=5), data, data[:3]
+    )
     ckpt, saving_log = tmp_path / "c", _Log()
     saver = _SaveOn(event, epoch, batch_idx, ckpt, saving_log)
-    eg.Trainer(logger=saving_log, callbacks=[saver], **kw).fit(
+    saving_ends = _Ends(ckpt)
+    eg.Trainer(logger=saving_log, callbacks=[saver, saving_ends], **kw).fit(
         task, task.init(_model(), seed=5), data, data[:3]
     )
     assert saving_log.rows == full_log.rows
-    resumed_log = _Log()
-    state = eg.Trainer(logger=resumed_log, **kw).fit(
+    resumed_log, resumed_ends = _Log(), _Ends()
+    state = eg.Trainer(logger=resumed_log, callbacks=[resumed_ends], **kw).fit(
         task, task.init(_model()), data, data[:3], ckpt_path=ckpt
     )
     # exactly what was logged after the save point, validation and epoch means included:
     # nothing logged before it again, nothing that followed it missing
     assert resumed_log.rows == full_log.rows[saver.rows_at_save :]
+    # and the validation ends that followed it fire once each
+    assert resumed_ends.seen == full_ends.seen[saving_ends.at_save :]
     assert any(k.startswith("val/") for _, m in resumed_log.rows for k in m)
+    assert state.step == 30
+
+
+@pytest.mark.parametrize(
+    ("event", "phase", "old_phase", "old_event"),
+    [
+        # an engine before requests recorded the event a listener saved in, and the keys of
+        # the listeners yet to have it; "validated" covered both ends of a validation
+        ("on_validation_end", "validation_end", "validated", ["on_validation_end", ["Later"]]),
+        ("on_validation_epoch_end", "validated", "validated", ["on_validation_epoch_end", []]),
+        ("on_train_batch_end", "batch_end", "batch_end", ["on_train_batch_end", ["Later"]]),
+        ("on_train_epoch_end", "epoch_end", "epoch_end", None),
+    ],
+)
+def test_a_checkpoint_of_the_engine_before_requests_still_resumes(
+    tmp_path, event, phase, old_phase, old_event
+):
+    from test_checkpoint_integrity import _forge
+
+    task, data = _task(), _data()
+    kw = {
+        "max_epochs": 3,
+        "log_every_n_steps": 2,
+        "val_check_interval": 3,
+        "check_val_every_n_epoch": None,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    full_log, full_ends = _Log(), _Ends()
+    eg.Trainer(logger=full_log, callbacks=[full_ends], **kw).fit(
+        task, task.init(_model(), seed=5), data, data[:3]
+    )
+    batch_idx = 1 if event == "on_train_batch_end" else None
+    ckpt = tmp_path / "c"
+    saver, saving_ends = _SaveOn(event, 1, batch_idx, ckpt, _Log()), _Ends(ckpt)
+    eg.Trainer(logger=saver.log, callbacks=[saver, saving_ends], **kw).fit(
+        task, task.init(_model(), seed=5), data, data[:3]
+    )
+    meta = checkpoint.read_meta(ckpt)
+    assert meta["extra"]["trainer"]["phase"] == phase and "event" not in meta["extra"]["trainer"]
+    meta["extra"]["trainer"].update(phase=old_phase, event=old_event)
+    _forge(ckpt, meta)
+    resumed_log, resumed_ends = _Log(), _Ends()
+    state = eg.Trainer(logger=resumed_log, callbacks=[resumed_ends], **kw).fit(
+        task, task.init(_model()), data, data[:3], ckpt_path=ckpt
+    )
+    assert resumed_log.rows == full_log.rows[saver.rows_at_save :]
+    assert resumed_ends.seen == full_ends.seen[saving_ends.at_save :]
     assert state.step == 30
 
 
@@ -393,12 +466,12 @@ def test_a_loader_that_both_trains_and_validates_skips_only_in_training_on_resum
             self.val_batches, self.val_loss = 0, None
 
         def on_validation_batch_end(self, rec):
-            if not rec.trainer.sanity_checking:
+            if not rec.run.sanity_checking:
                 self.val_batches += 1
 
         def on_validation_end(self, rec):
-            if not rec.trainer.sanity_checking:
-                self.val_loss = rec.trainer.callback_metrics["val/loss"]
+            if not rec.run.sanity_checking:
+                self.val_loss = rec.run.callback_metrics["val/loss"]
 
     task = _task()
     shared = torch.utils.data.DataLoader(_Counted(), batch_size=4)

@@ -79,13 +79,13 @@ class _Probe(eg.Listener):
         self.es, self.mc, self.seen = es, mc, []
 
     def _see(self, event: str, rec) -> None:
-        t = rec.trainer
+        t = rec.run
         self.seen.append(
             {
                 "event": event,
                 "epoch": t.current_epoch,
                 "step": t.global_step,
-                "micro_step": t.state.micro_step,
+                "micro_step": rec.state.micro_step,
                 "wait": self.es.wait_count,
                 "best": self.es.best_score,
                 "top_k": sorted(os.path.basename(p) for p in self.mc.best_k_models),
@@ -102,21 +102,46 @@ class _Probe(eg.Listener):
 
 class _Crash(eg.Listener):
     """At the ``n``-th ``event`` of the fit, save a checkpoint to ``path`` (if given) and die
-    without any clean-up, as a killed process would."""
+    without any clean-up, as a killed process would: at once without a path, else at the next
+    event after the save (the driver writes a requested checkpoint once the event has reached
+    every listener)."""
 
     def __init__(self, event: str, n: int, path: str | None) -> None:
-        self.n, self.path, self.count = n, path, 0
+        self.n, self.path, self.count, self.saved = n, path, 0, False
+        for later in eg.Event:  # whichever event comes first after the save
+            if later not in _NOT_AFTER and later.value != event:
+                setattr(self, later.value, self._crash_if_saved)
         setattr(self, event, self._maybe_crash)
 
     def _maybe_crash(self, rec):
+        self._crash_if_saved(rec)
         if rec.stage != "fit":
-            return
+            return None
         self.count += 1
-        if self.count == self.n:
-            if self.path is not None:
-                rec.trainer.save_checkpoint(self.path)
-            sys.stdout.flush()
-            os._exit(0)
+        if self.count != self.n:
+            return None
+        if self.path is None:
+            self._crash()
+        self.saved = True
+        return eg.Save(self.path)
+
+    def _crash_if_saved(self, rec):
+        if self.saved:
+            self._crash()
+
+    @staticmethod
+    def _crash():
+        sys.stdout.flush()
+        os._exit(0)
+
+
+# the events of the save itself, and those inside the step (a listener on them splits the step)
+_NOT_AFTER = {
+    eg.Event.ON_SAVE_CHECKPOINT,
+    eg.Event.ON_BEFORE_BACKWARD,
+    eg.Event.ON_AFTER_BACKWARD,
+    eg.Event.ON_BEFORE_OPTIMIZER_STEP,
+}
 
 
 def _run(
@@ -408,7 +433,7 @@ class _Metrics(eg.Listener):
         self.seen: list[tuple[int, int, dict[str, float]]] = []
 
     def on_train_batch_start(self, rec):
-        t = rec.trainer
+        t = rec.run
         self.seen.append((t.current_epoch, rec.batch_idx, dict(t.callback_metrics)))
 
 
@@ -419,8 +444,9 @@ class _SaveAt(eg.Listener):
         self.epoch, self.batch_idx, self.path = epoch, batch_idx, path
 
     def on_train_batch_end(self, rec):
-        if (rec.trainer.current_epoch, rec.batch_idx) == (self.epoch, self.batch_idx):
-            rec.trainer.save_checkpoint(self.path)
+        if (rec.run.current_epoch, rec.batch_idx) == (self.epoch, self.batch_idx):
+            return eg.Save(self.path)
+        return None
 
 
 def test_callback_metrics_survive_a_resume(tmp_path):

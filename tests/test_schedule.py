@@ -240,7 +240,7 @@ class _Record(eg.Listener):
         return None
 
     def on_validation_start(self, rec):
-        if not rec.trainer.sanity_checking:
+        if not rec.run.sanity_checking:
             self.validations.append(self.last)
 
 

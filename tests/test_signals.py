@@ -67,7 +67,7 @@ class KillAt(eg.Listener):
         import os
         import signal
 
-        last_epoch = rec.trainer.current_epoch == EPOCHS - 1 or rec.event.value in (
+        last_epoch = rec.run.current_epoch == EPOCHS - 1 or rec.event.value in (
             "on_train_end",
             "on_fit_end",
         )

@@ -752,7 +752,7 @@ def test_stop_mid_epoch_with_min_steps_matches_lightning(min_steps):
     theirs.fit(module, _as_loader(_batches(5)))
 
     def stop(rec):
-        return eg.Stop() if rec.trainer.global_step == 2 else None
+        return eg.Stop() if rec.run.global_step == 2 else None
 
     task, listener = _task(), eg.on(eg.Event.ON_TRAIN_BATCH_END, stop)
     ours = _trainer(max_epochs=5, min_steps=min_steps, callbacks=[listener])

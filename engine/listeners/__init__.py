@@ -1,8 +1,11 @@
 """Listeners: the Trainer's Lightning-style callbacks, as objects that react to events.
 
 Each listener has methods named after :class:`~engine.events.Event` values; it reads the
-immutable :class:`~engine.events.EventRecord` (state, metrics, the trainer's read-only
-properties) and may return :class:`~engine.events.Stop` to ask the Trainer to stop fitting.
+immutable :class:`~engine.events.EventRecord` (state, metrics, and ``rec.run``, the run's
+read-only :class:`~engine.events.RunView`) and may return requests, which the driver carries out
+once the event has reached every listener: :class:`~engine.events.Stop` (stop fitting),
+:class:`~engine.events.Save` (write a checkpoint), :class:`~engine.events.Log` (log metrics).
+No listener holds the Trainer.
 Those with state worth checkpointing (``EarlyStopping``, ``Timer``) implement ``state_dict`` /
 ``load_state_dict``.
 

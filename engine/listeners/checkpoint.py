@@ -1,9 +1,10 @@
 """``ModelCheckpoint``: save checkpoints while fitting and keep the best ``k`` of them.
 
-Lightning 2.x's ``ModelCheckpoint`` semantics, as a listener that saves through
-``trainer.save_checkpoint(path)`` (an engine checkpoint directory, see :mod:`engine.checkpoint`):
+Lightning 2.x's ``ModelCheckpoint`` semantics, as a listener that returns
+:class:`~engine.events.Save` requests (each an engine checkpoint directory, see
+:mod:`engine.checkpoint`), which the driver writes once the event has reached every listener:
 
-* **Where.** ``dirpath``, else ``<trainer.log_dir>/checkpoints`` (the first logger's directory,
+* **Where.** ``dirpath``, else ``<rec.run.log_dir>/checkpoints`` (the first logger's directory,
   else ``default_root_dir``), resolved at ``setup``. Checkpoints are directories named after
   ``filename`` with no suffix (``FILE_EXTENSION = ""``): ``<dirpath>/epoch=0-step=4/``.
 * **Names.** ``filename`` is a template: ``"{epoch}-{step}"`` (the default) renders
@@ -27,6 +28,8 @@ Lightning 2.x's ``ModelCheckpoint`` semantics, as a listener that saves through
   ``save_top_k=-1`` keeps all, ``0`` saves none. Without ``monitor``, ``save_top_k=1`` keeps
   the latest and ``-1`` all. A monitored metric that is missing raises once a validation has
   run in this fit (the metric should exist then); before that it warns and skips, as Lightning.
+  The one that falls out is in the new one's ``Save(replaces=...)``: the driver deletes it once
+  the new one is on disk.
 * **last.** ``save_last=True`` also saves ``<dirpath>/last`` whenever a checkpoint is saved (a
   second save, not a copy), and once at the end of training if nothing was saved.
   ``save_last="link"`` is treated like ``True``: no symbolic links, which would dangle when a
@@ -46,15 +49,14 @@ import re
 import time
 import warnings
 from collections.abc import Mapping
-from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from engine import checkpoint
-from engine.events import EventRecord, Listener
+from engine.events import EventRecord, Listener, RunView, Save
 from engine.listeners.progress import write_message
-from engine.loop import schedule
+from engine.loop import LoopConfig, schedule
 
 __all__ = ["ModelCheckpoint"]
 
@@ -67,9 +69,9 @@ class ModelCheckpoint(Listener):
     """Save checkpoints during ``fit``; keep the ``save_top_k`` best by ``monitor``.
 
     Args:
-        dirpath: the directory for the checkpoints; default ``<trainer.log_dir>/checkpoints``.
+        dirpath: the directory for the checkpoints; default ``<rec.run.log_dir>/checkpoints``.
         filename: the name template (see the module); default ``"{epoch}-{step}"``.
-        monitor: the metric to rank by, a key of ``trainer.callback_metrics`` (``"val/loss"``);
+        monitor: the metric to rank by, a key of ``rec.run.callback_metrics`` (``"val/loss"``);
             ``None`` ranks by recency.
         verbose: print what is saved and why.
         save_weights_only: save the model alone (parameters and buffers): smaller checkpoints
@@ -200,8 +202,6 @@ class ModelCheckpoint(Listener):
                 raise TypeError(f"{name} must be True or False (got {flag!r})")
         self.asynchronous = asynchronous
         self.save_weights_only = save_weights_only
-        # asynchronous saves in flight, each with the checkpoints to delete once they landed
-        self._in_flight: list[tuple[list[Future[Any]], list[str]]] = []
 
         self.best_model_path = ""
         self.best_model_score: float | None = None
@@ -213,7 +213,8 @@ class ModelCheckpoint(Listener):
         self._last_global_step_saved = 0  # nothing to save before the first step
         self._last_checkpoint_saved = ""
         self._restored_last_saved = False  # a checkpoint said when this listener last saved
-        # an event's saves and deletions, carried out once its bookkeeping is final (_flush)
+        # an event's saves and the checkpoints they replace, requested once its bookkeeping is
+        # final (_flush)
         self._pending_saves: list[str] = []
         self._pending_removals: list[tuple[str, str]] = []
         self._last_time_checked: float | None = None
@@ -242,7 +243,7 @@ class ModelCheckpoint(Listener):
     def setup(self, rec: EventRecord) -> None:
         """Resolve ``dirpath`` (before a checkpoint's state is restored)."""
         if self.dirpath is None:
-            root = rec.trainer.log_dir or rec.trainer.default_root_dir
+            root = rec.run.log_dir or rec.run.default_root_dir
             self.dirpath = os.path.join(root, "checkpoints")
         if rec.stage == "fit":  # what a crashed save left (a replaced checkpoint is put back)
             checkpoint.clean_leftovers(self.dirpath)
@@ -263,21 +264,20 @@ class ModelCheckpoint(Listener):
         """A checkpoint from an older engine does not say when this listener last saved: take
         the resumed step as saved (it is on disk already)."""
         if rec.stage == "fit" and not self._restored_last_saved:
-            self._last_global_step_saved = rec.trainer.global_step
+            self._last_global_step_saved = rec.run.global_step
         self._restored_last_saved = False
 
     def on_train_start(self, rec: EventRecord) -> None:
         self._last_time_checked = time.monotonic()
 
-    def on_train_batch_end(self, rec: EventRecord) -> None:
+    def on_train_batch_end(self, rec: EventRecord) -> list[Save] | None:
         """Save by ``every_n_train_steps`` / ``train_time_interval``."""
         self._at_train_batch_end(rec)
-        self._flush(rec)
+        return self._flush(rec)
 
     def _at_train_batch_end(self, rec: EventRecord) -> None:
-        trainer = rec.trainer
         by_steps = self._every_n_train_steps >= 1 and (
-            trainer.global_step % self._every_n_train_steps == 0
+            rec.run.global_step % self._every_n_train_steps == 0
         )
         by_time = False
         now = time.monotonic()
@@ -300,15 +300,15 @@ class ModelCheckpoint(Listener):
         self._save_topk(rec, candidates)
         self._save_last(rec, candidates)
 
-    def on_validation_end(self, rec: EventRecord) -> None:
+    def on_validation_end(self, rec: EventRecord) -> list[Save] | None:
         """Save after validation unless saves happen at the end of the training epoch."""
         self._at_validation_end(rec)
-        self._flush(rec)
+        return self._flush(rec)
 
     def _at_validation_end(self, rec: EventRecord) -> None:
-        if rec.stage == "fit" and not rec.trainer.sanity_checking:
+        if rec.stage == "fit" and not rec.run.sanity_checking:
             self._validated = True
-        if self._skip(rec) or self._on_train_epoch_end(rec.trainer):
+        if self._skip(rec) or self._on_train_epoch_end(rec.run):
             return
         candidates = self._candidates(rec)
         if self._defer_until_validation:
@@ -318,25 +318,20 @@ class ModelCheckpoint(Listener):
             return
         self._save_epochwise(rec, candidates)
 
-    def on_train_epoch_end(self, rec: EventRecord) -> None:
+    def on_train_epoch_end(self, rec: EventRecord) -> list[Save] | None:
         """Save at the end of the training epoch when that is where epoch-wise saves go."""
         self._at_train_epoch_end(rec)
-        self._flush(rec)
+        return self._flush(rec)
 
     def _at_train_epoch_end(self, rec: EventRecord) -> None:
-        if self._skip(rec) or not self._on_train_epoch_end(rec.trainer):
+        if self._skip(rec) or not self._on_train_epoch_end(rec.run):
             return
         self._save_epochwise(rec, self._candidates(rec))
 
-    def on_train_end(self, rec: EventRecord) -> None:
+    def on_train_end(self, rec: EventRecord) -> list[Save] | None:
         """With ``save_last``, save ``last`` if nothing was saved during training."""
         self._at_train_end(rec)
-        self._flush(rec)
-        self._reap(wait=True)
-
-    def on_exception(self, rec: EventRecord) -> None:
-        """Let the writes in flight land (and delete what they replace only if they did)."""
-        self._reap(wait=True)
+        return self._flush(rec)
 
     def _at_train_end(self, rec: EventRecord) -> None:
         if self._outside_fit(rec) or not self.save_last or self._last_checkpoint_saved:
@@ -347,39 +342,39 @@ class ModelCheckpoint(Listener):
 
     @staticmethod
     def _outside_fit(rec: EventRecord) -> bool:
-        trainer = rec.trainer
-        return rec.stage != "fit" or bool(trainer.sanity_checking) or bool(trainer.fast_dev_run)
+        run = rec.run
+        return rec.stage != "fit" or run.sanity_checking or bool(_config(run).fast_dev_run)
 
     def _skip(self, rec: EventRecord) -> bool:
-        return self._outside_fit(rec) or self._last_global_step_saved == rec.trainer.global_step
+        return self._outside_fit(rec) or self._last_global_step_saved == rec.run.global_step
 
-    def _on_train_epoch_end(self, trainer: Any) -> bool:
+    def _on_train_epoch_end(self, run: RunView) -> bool:
         """Where epoch-wise saves go: ``save_on_train_epoch_end``, else Lightning's rule
         (:func:`engine.loop.schedule.saves_at_train_epoch_end`)."""
         if self._save_on_train_epoch_end is not None:
             return self._save_on_train_epoch_end
-        return schedule.saves_at_train_epoch_end(trainer.config, sum(trainer.num_val_batches))
+        return schedule.saves_at_train_epoch_end(_config(run), sum(run.num_val_batches))
 
     def _validation_follows(self, rec: EventRecord) -> bool:
         """Whether this was the epoch's last batch and validation runs next (and epoch-wise
         saves do not go to the end of the training epoch):
         :func:`engine.loop.schedule.validation_follows`."""
-        trainer = rec.trainer
-        if self._on_train_epoch_end(trainer) or rec.batch_idx is None:
+        run = rec.run
+        if self._on_train_epoch_end(run) or rec.batch_idx is None:
             return False
         return schedule.validation_follows(
-            trainer.config,
+            _config(run),
             batch_idx=rec.batch_idx,
-            num_training_batches=trainer.num_training_batches,
-            num_val_batches=sum(trainer.num_val_batches),
-            epoch=trainer.current_epoch,
+            num_training_batches=run.num_training_batches,
+            num_val_batches=sum(run.num_val_batches),
+            epoch=run.current_epoch,
         )
 
     def _save_epochwise(self, rec: EventRecord, candidates: dict[str, Any]) -> None:
-        epoch = rec.trainer.current_epoch
+        epoch = rec.run.current_epoch
         if self._every_n_epochs >= 1 and (epoch + 1) % self._every_n_epochs == 0:
             self._save_topk(rec, candidates)
-        if self._last_global_step_saved == rec.trainer.global_step:
+        if self._last_global_step_saved == rec.run.global_step:
             self._save_last(rec, candidates)
 
     # ------------------------------------------------------------------ what
@@ -388,9 +383,8 @@ class ModelCheckpoint(Listener):
     def _candidates(rec: EventRecord) -> dict[str, Any]:
         """The metrics a name or a ranking may use, with ``epoch`` and ``step`` as ints."""
         candidates: dict[str, Any] = dict(rec.metrics)
-        trainer = rec.trainer
-        candidates["epoch"] = int(candidates.get("epoch", trainer.current_epoch))
-        candidates["step"] = int(candidates.get("step", trainer.global_step))
+        candidates["epoch"] = int(candidates.get("epoch", rec.run.current_epoch))
+        candidates["step"] = int(candidates.get("step", rec.run.global_step))
         return candidates
 
     def _save_topk(self, rec: EventRecord, candidates: dict[str, Any]) -> None:
@@ -478,56 +472,39 @@ class ModelCheckpoint(Listener):
             self._pending_removals.append((previous, path))
 
     def _save(self, rec: EventRecord, path: str) -> None:
-        """Record a save of ``path``; :meth:`_flush` writes it at the end of the event."""
-        self._last_global_step_saved = rec.trainer.global_step
+        """Record a save of ``path``; :meth:`_flush` requests it at the end of the event."""
+        self._last_global_step_saved = rec.run.global_step
         self._last_checkpoint_saved = path
         self._pending_saves.append(path)
 
-    def _flush(self, rec: EventRecord) -> None:
-        """Write the event's checkpoints, then delete those they replace.
+    def _flush(self, rec: EventRecord) -> list[Save] | None:
+        """The event's checkpoints, as requests, each with the checkpoints it replaces.
 
-        Writing waits until all of the event's bookkeeping is done, so every checkpoint saved at
-        one step (a top-k one and ``last``) holds the same, final state of this listener: a run
-        resumed from either saves, ranks and deletes exactly as the run that never stopped. The
-        deletions come after the writes, so a crash never leaves fewer checkpoints than ``k``.
+        Requested once all of the event's bookkeeping is done, so every checkpoint saved at one
+        step (a top-k one and ``last``) holds the same, final state of this listener (the driver
+        writes them after every listener has had the event): a run resumed from either saves,
+        ranks and deletes exactly as the run that never stopped. The driver deletes a replaced
+        checkpoint only once its replacement is on disk (an asynchronous one: once it landed),
+        so a crash never leaves fewer checkpoints than ``k``, and a failed write deletes
+        nothing.
         """
+        if not self._pending_saves:
+            return None
         saves, self._pending_saves = self._pending_saves, []
         removals, self._pending_removals = self._pending_removals, []
-        trainer = rec.trainer
-        futures = []
-        for path in saves:
-            weights_only = self.save_weights_only
-            if self.asynchronous:
-                futures.append(
-                    trainer.save_checkpoint(path, asynchronous=True, weights_only=weights_only)
-                )
-            else:
-                trainer.save_checkpoint(path, weights_only=weights_only)
-            for logger in trainer.loggers:
-                if callable(getattr(logger, "after_save_checkpoint", None)):
-                    logger.after_save_checkpoint(self)
-        doomed = [
-            previous for previous, current in removals if self._removable(rec, previous, current)
+        return [
+            Save(
+                path,
+                asynchronous=self.asynchronous,
+                weights_only=self.save_weights_only,
+                replaces=tuple(
+                    previous
+                    for previous, current in removals
+                    if current == path and self._removable(rec, previous, current)
+                ),
+            )
+            for path in saves
         ]
-        if self.asynchronous:
-            if doomed:
-                self._in_flight.append((futures, doomed))
-            self._reap(wait=False)
-        else:
-            for previous in doomed:
-                _remove(previous)
-
-    def _reap(self, *, wait: bool) -> None:
-        """Delete the checkpoints replaced by asynchronous saves that have landed, in order;
-        a save that failed leaves the one it would have replaced."""
-        while self._in_flight:
-            futures, doomed = self._in_flight[0]
-            if not wait and not all(f.done() for f in futures):
-                return
-            self._in_flight.pop(0)
-            if all(not f.cancelled() and f.exception() is None for f in futures):
-                for path in doomed:
-                    _remove(path)
 
     def _free_name(
         self, candidates: Mapping[str, Any], *, keep: str | None, template: str | None = None
@@ -551,7 +528,7 @@ class ModelCheckpoint(Listener):
         if previous == current or self.dirpath is None:
             return False
         old = Path(previous).absolute()
-        resumed = getattr(rec.trainer, "ckpt_path", None)
+        resumed = rec.run.ckpt_path
         if resumed is not None and Path(resumed).absolute() == old:
             return False
         return Path(self.dirpath).absolute() in old.parents
@@ -673,5 +650,6 @@ def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def _remove(path: str) -> None:
-    checkpoint.remove(path)  # renamed aside first: a crash never leaves half a checkpoint
+def _config(run: RunView) -> LoopConfig:
+    """The run's resolved flags (Lightning's defaults for a view without them: a test's)."""
+    return run.config if run.config is not None else LoopConfig()

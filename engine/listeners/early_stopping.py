@@ -1,9 +1,10 @@
 """``EarlyStopping``: stop fitting when a monitored metric stops improving.
 
 Lightning's ``EarlyStopping`` semantics, as a listener that returns :class:`~engine.events.Stop`
-instead of setting ``trainer.should_stop``:
+instead of setting ``trainer.should_stop`` (the driver sets it once every listener has had the
+event, before it writes any checkpoint requested in that event):
 
-* A *check* reads ``trainer.callback_metrics[monitor]``. It runs at ``on_validation_end``, or at
+* A *check* reads ``rec.run.callback_metrics[monitor]``. It runs at ``on_validation_end``, or at
   ``on_train_epoch_end`` when ``check_on_train_epoch_end`` is true. The default (``None``) is
   decided when fitting starts, with Lightning's rule: at the end of the training epoch when
   validation runs once per epoch, at its end (``val_check_interval == 1.0`` and
@@ -26,7 +27,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from engine.events import EventRecord, Listener, Stop
+from engine.events import EventRecord, Listener, RunView, Stop
 from engine.listeners.progress import write_message
 from engine.loop import schedule
 
@@ -51,7 +52,7 @@ class EarlyStopping(Listener):
     """Stop fitting when ``monitor`` has not improved for ``patience`` checks.
 
     Args:
-        monitor: the metric to watch, a key of ``trainer.callback_metrics`` (``"val/loss"``).
+        monitor: the metric to watch, a key of ``rec.run.callback_metrics`` (``"val/loss"``).
         min_delta: an improvement must exceed this much (absolute); a change of at most
             ``min_delta`` counts as no improvement.
         patience: checks without improvement after which to stop (checks, not epochs: with
@@ -78,14 +79,12 @@ class EarlyStopping(Listener):
         ValueError: if ``mode`` is not ``"min"`` or ``"max"``, or ``patience`` is negative.
 
     Example:
-        >>> from types import SimpleNamespace
-        >>> from engine.events import Event, EventRecord
+        >>> from engine.events import Event, EventRecord, RunView
         >>> from engine.listeners import EarlyStopping
         >>> es = EarlyStopping("val/loss", patience=2, check_on_train_epoch_end=False)
-        >>> trainer = SimpleNamespace(sanity_checking=False, current_epoch=0, callback_metrics={})
         >>> def validate(loss):
-        ...     trainer.callback_metrics = {"val/loss": loss}
-        ...     rec = EventRecord(Event.ON_VALIDATION_END, "fit", None, {}, trainer)
+        ...     run = RunView(stage="fit", callback_metrics={"val/loss": loss})
+        ...     rec = EventRecord(Event.ON_VALIDATION_END, "fit", None, run.callback_metrics, run)
         ...     return es.on_validation_end(rec)
         >>> [validate(x) for x in (1.0, 0.5, 0.6)]
         [None, None, None]
@@ -150,7 +149,7 @@ class EarlyStopping(Listener):
     def on_fit_start(self, rec: EventRecord) -> None:
         """Decide where checks run when ``check_on_train_epoch_end`` was left as ``None``."""
         if self._check_on_train_epoch_end_arg is None:
-            self._check_on_train_epoch_end = _checks_at_train_epoch_end(rec.trainer)
+            self._check_on_train_epoch_end = _checks_at_train_epoch_end(rec.run)
 
     def on_train_epoch_end(self, rec: EventRecord) -> Stop | None:
         """Check here when ``check_on_train_epoch_end`` is true."""
@@ -168,20 +167,17 @@ class EarlyStopping(Listener):
 
     def _at_epoch_end(self, rec: EventRecord) -> bool:
         if self._check_on_train_epoch_end is None:  # no on_fit_start seen: decide now
-            self._check_on_train_epoch_end = _checks_at_train_epoch_end(rec.trainer)
+            self._check_on_train_epoch_end = _checks_at_train_epoch_end(rec.run)
         return self._check_on_train_epoch_end
 
     @staticmethod
     def _skip(rec: EventRecord) -> bool:
-        trainer = rec.trainer
-        return (
-            rec.stage != "fit"
-            or bool(getattr(trainer, "sanity_checking", False))
-            or bool(getattr(trainer, "fast_dev_run", False))
-        )
+        run = rec.run
+        fast_dev_run = run.config is not None and bool(run.config.fast_dev_run)
+        return rec.stage != "fit" or run.sanity_checking or fast_dev_run
 
     def _run_check(self, rec: EventRecord) -> Stop | None:
-        metrics: Mapping[str, Any] = rec.trainer.callback_metrics
+        metrics: Mapping[str, Any] = rec.run.callback_metrics
         if self.monitor not in metrics:
             message = (
                 f"EarlyStopping(monitor={self.monitor!r}): no metric of that name; the metrics "
@@ -196,7 +192,7 @@ class EarlyStopping(Listener):
         current = float(metrics[self.monitor])
         should_stop, reason = self.evaluate(current)
         if should_stop:
-            self.stopped_epoch = int(rec.trainer.current_epoch)
+            self.stopped_epoch = int(rec.run.current_epoch)
             self.stopping_reason_message = reason
         if reason and self.verbose:
             write_message(reason, rank_zero_only=self.log_rank_zero_only)
@@ -205,7 +201,7 @@ class EarlyStopping(Listener):
     def evaluate(self, current: float) -> tuple[bool, str | None]:
         """Update the state with one value of the metric: ``(should_stop, message)``.
 
-        This is the whole decision of one check, without the trainer; the message describes
+        This is the whole decision of one check, without the run; the message describes
         an improvement or the reason to stop (``None`` when neither).
 
         Args:
@@ -295,14 +291,13 @@ class EarlyStopping(Listener):
         )
 
 
-def _checks_at_train_epoch_end(trainer: Any) -> bool:
-    """Lightning's default for ``check_on_train_epoch_end``: the trainer's schedule
-    (:func:`engine.loop.schedule.checks_at_train_epoch_end`). A trainer that does not expose
-    its schedule (no ``config``) is judged by whether it has validation batches: checks go
-    after validation when there is one.
+def _checks_at_train_epoch_end(run: RunView) -> bool:
+    """Lightning's default for ``check_on_train_epoch_end``: the run's schedule
+    (:func:`engine.loop.schedule.checks_at_train_epoch_end`). A view without the schedule (no
+    ``config``: a test's) is judged by whether there are validation batches: checks go after
+    validation when there are.
     """
-    num_val = sum(getattr(trainer, "num_val_batches", None) or [])
-    config = getattr(trainer, "config", None)
-    if config is None:
+    num_val = sum(run.num_val_batches)
+    if run.config is None:
         return num_val == 0
-    return schedule.checks_at_train_epoch_end(config, num_val)
+    return schedule.checks_at_train_epoch_end(run.config, num_val)

@@ -14,7 +14,9 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
   tensors as shapes only) and the training data source, pickled with cloudpickle so the run can be
   re-executed without its script. Loading them runs code, so replay asks for explicit trust;
 * ``start-step=N``: a checkpoint of the state the fit started from (a fit that resumes from a
-  checkpoint journals that checkpoint instead).
+  checkpoint journals that checkpoint instead), which the journal asks the driver for with an
+  asynchronous :class:`~engine.events.Save` at ``on_fit_start``; its line is written at once,
+  with the fingerprint of the state it holds.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import IO, Any
 import torch
 
 from engine import checkpoint
-from engine.events import EventRecord, Listener
+from engine.events import EventRecord, Listener, RunView, Save
 
 __all__ = ["Journal"]
 
@@ -54,7 +56,7 @@ class Journal(Listener):
     Args:
         dirpath: the run directory; default the first logger's ``log_dir``, or a new
             ``<default_root_dir>/lightning_logs/version_N`` when there is no logger.
-        every_n_steps: a line every this many optimizer steps (default: the trainer's
+        every_n_steps: a line every this many optimizer steps (default: the run's
             ``log_every_n_steps``). The loss tensor of every optimizer step is kept until the
             next line, which reads them all to the host at once (one sync a line, none between
             lines) and writes them as its ``losses``: the losses of steps
@@ -119,43 +121,58 @@ class Journal(Listener):
         self._losses_to = -1
         # lines of asynchronous checkpoints not yet on disk, in the order they were asked for
         self._landing: list[tuple[dict[str, Any], Future[Path]]] = []
+        # the start checkpoint this journal asked for (its line is written already), and
+        # whether the host copy its snapshot leaves is still to be freed
+        self._start: str | None = None
+        self._release = False
 
     # ------------------------------------------------------------------ events
 
-    def on_fit_start(self, rec: EventRecord) -> None:
-        trainer = rec.trainer
-        root = self.dirpath or _run_dir(trainer)
+    def on_fit_start(self, rec: EventRecord) -> Save | None:
+        """Write the run directory; ask for a checkpoint of the start state (unless the fit
+        resumed from one, which the start line names instead)."""
+        run = rec.run
+        root = self.dirpath or _run_dir(run)
         root.mkdir(parents=True, exist_ok=True)
         checkpoint.clean_leftovers(root)  # a start checkpoint a crashed fit was writing
         self.dirpath = root
         if self.every_n_steps is None:
-            self.every_n_steps = trainer.log_every_n_steps
+            self.every_n_steps = run.config.log_every_n_steps if run.config is not None else 50
         self._losses = deque(maxlen=self.every_n_steps or 1)
         self._losses_to = -1
-        (root / CONFIG).write_text(json.dumps(trainer.config.to_json(), indent=2, sort_keys=True))
+        self._start, self._release = None, False
+        if run.config is not None:
+            text = json.dumps(run.config.to_json(), indent=2, sort_keys=True)
+            (root / CONFIG).write_text(text)
         self._file = open(root / JOURNAL, "a")  # noqa: SIM115 - open for the whole fit
         if not self.replayable or rec.state is None:
-            return
+            return None
         from engine._pickling import dump_skeleton, dumps_code
 
-        self._dump(root / TASK, "the task", lambda: dumps_code(trainer.task))
+        self._dump(root / TASK, "the task", lambda: dumps_code(run.task))
         self._dump(root / MODEL, "the model's structure", lambda: dump_skeleton(rec.state))
-        source = trainer.datamodule if trainer.datamodule is not None else trainer.train_dataloader
+        source = run.datamodule if run.datamodule is not None else run.train_dataloader
         limit = self.max_data_bytes
         self._dump(root / DATA, "the training data", lambda: dumps_code(source, limit=limit))
-        start = trainer.ckpt_path  # a resumed fit starts from that checkpoint
+        start = run.ckpt_path  # a resumed fit starts from that checkpoint
+        save = None
         if start is None:  # else the state it was given: saved beside the journal
-            start = str(root / f"start-step={rec.state.step}")
-            trainer._write_checkpoint(start, asynchronous=True, fingerprint=False)
-            # a one-off: no later save of this journal reuses the snapshot's host memory
-            checkpoint.release_buffers()
+            start = self._start = str(root / f"start-step={rec.state.step}")
+            save = Save(start, asynchronous=True)
+            # a one-off: no later save of this journal reuses the snapshot's host memory, which
+            # is freed at the next batch (the driver takes the snapshot after this event)
+            self._release = True
         self._put(
             self._line(
                 rec, loss=None, fingerprint=True, checkpoint=os.path.abspath(start), start=True
             )
         )
+        return save
 
     def on_train_batch_end(self, rec: EventRecord) -> None:
+        if self._release:
+            self._release = False
+            checkpoint.release_buffers()
         if self._landing:
             self._write_landed(wait=False)
         state = rec.state
@@ -205,6 +222,9 @@ class Journal(Listener):
     def on_save_checkpoint(self, rec: EventRecord) -> None:
         if self._file is None or rec.state is None:
             return
+        if self._start is not None and rec.checkpoint_path == self._start:
+            self._start = None  # the start checkpoint: its line is written already
+            return
         path = os.path.abspath(rec.checkpoint_path) if rec.checkpoint_path else True
         if rec.checkpoint_future is None:
             self._put(self._line(rec, loss=None, fingerprint=True, checkpoint=path))
@@ -244,7 +264,7 @@ class Journal(Listener):
             line["micro_step"] = state.micro_step
         if loss is not None:
             line["loss"] = float(loss)  # a host sync unless read with the line's losses
-        lr = getattr(rec.trainer.task, "lr", None)
+        lr = getattr(rec.run.task, "lr", None)
         if lr is not None:
             line["lr"] = float(lr(state.step) if callable(lr) else lr)
         if fingerprint:
@@ -315,11 +335,11 @@ class Journal(Listener):
             return [json.loads(line) for line in f if line.strip()]
 
 
-def _run_dir(trainer: Any) -> Path:
-    for lg in trainer.loggers:
+def _run_dir(run: RunView) -> Path:
+    for lg in run.loggers:
         if getattr(lg, "log_dir", None):
             return Path(lg.log_dir)
     from engine.loggers.base import next_version
 
-    root = Path(trainer.default_root_dir) / "lightning_logs"
+    root = Path(run.default_root_dir) / "lightning_logs"
     return root / f"version_{next_version(root)}"

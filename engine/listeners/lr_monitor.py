@@ -4,7 +4,8 @@ The rate is read from the task (``Task(lr=...)``: a float or a schedule ``step -
 evaluated at ``state.step`` -- the number of optimizer steps taken, which is the step the
 schedule is evaluated at by the next optimizer update. As in Lightning, it is logged at the start
 of a training batch (``logging_interval="step"``, the rate this batch's update will use) or of a
-training epoch (``"epoch"``), through ``trainer.log_metrics`` at ``step=state.step``.
+training epoch (``"epoch"``), by returning :class:`~engine.events.Log` at ``step=state.step``
+(the driver sends it to the loggers once every listener has had the event).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from engine.events import EventRecord, Listener
+from engine.events import EventRecord, Listener, Log, RunView
 from engine.state import TrainState
 
 __all__ = ["LearningRateMonitor"]
@@ -24,14 +25,14 @@ def _value(value: Any, step: int) -> float:
 
 
 def _state(rec: EventRecord) -> TrainState:
-    state = rec.state if rec.state is not None else getattr(rec.trainer, "state", None)
+    state = rec.state
     if state is None:
         raise RuntimeError(f"LearningRateMonitor: {rec.event.value} arrived without a TrainState")
     return state
 
 
 class LearningRateMonitor(Listener):
-    """Log the learning rate (and optionally the momentum) with the trainer's loggers.
+    """Log the learning rate (and optionally the momentum) with the run's loggers.
 
     Args:
         logging_interval: ``"step"`` (every optimizer step), ``"epoch"`` (every epoch start) or
@@ -46,30 +47,27 @@ class LearningRateMonitor(Listener):
         ValueError: if ``logging_interval`` is not ``"step"``, ``"epoch"`` or ``None``.
 
     In step mode the rate is logged once per optimizer step (at the first micro-batch of an
-    accumulation window), and only on the trainer's logging steps when it has
-    ``log_every_n_steps`` (Lightning logs when ``(step + 1) % log_every_n_steps == 0``).
+    accumulation window), and only on the logging steps (``rec.run.config.log_every_n_steps``:
+    Lightning logs when ``(step + 1) % log_every_n_steps == 0``).
 
     Example:
         >>> import torch
-        >>> from types import SimpleNamespace
         >>> import engine as eg
         >>> from engine import optim
-        >>> from engine.events import Event, EventRecord
+        >>> from engine.events import Event, EventRecord, RunView
         >>> from engine.listeners import LearningRateMonitor
-        >>> logged = []
-        >>> trainer = SimpleNamespace(
-        ...     loggers=["a logger"], task=SimpleNamespace(lr=optim.step_lr(0.1, 2)),
-        ...     log_metrics=lambda metrics, step=None: logged.append((step, metrics)))
+        >>> run = RunView(loggers=["a logger"], task=eg.Task(lambda m, b: 0.0, optim.sgd(0.1),
+        ...                                                  lr=optim.step_lr(0.1, 2)))
         >>> state = eg.TrainState.create(torch.nn.Linear(3, 2), optim.sgd(0.1))
         >>> monitor = LearningRateMonitor(logging_interval="step")
-        >>> monitor.on_fit_start(EventRecord(Event.ON_FIT_START, "fit", state, {}, trainer))
-        >>> for step in range(4):
+        >>> monitor.on_fit_start(EventRecord(Event.ON_FIT_START, "fit", state, {}, run))
+        >>> for step in range(3):
         ...     rec = EventRecord(Event.ON_TRAIN_BATCH_START, "fit", state.replace(step=step),
-        ...                       {}, trainer, batch_idx=step)
-        ...     monitor.on_train_batch_start(rec)
-        >>> logged  # doctest: +NORMALIZE_WHITESPACE
-        [(0, {'lr': 0.1}), (1, {'lr': 0.1}), (2, {'lr': 0.010000000000000002}),
-         (3, {'lr': 0.010000000000000002})]
+        ...                       {}, run, batch_idx=step)
+        ...     print(monitor.on_train_batch_start(rec))
+        Log(metrics={'lr': 0.1}, step=0)
+        Log(metrics={'lr': 0.1}, step=1)
+        Log(metrics={'lr': 0.010000000000000002}, step=2)
     """
 
     def __init__(self, logging_interval: str | None = None, log_momentum: bool = False) -> None:
@@ -84,14 +82,13 @@ class LearningRateMonitor(Listener):
 
     def on_fit_start(self, rec: EventRecord) -> None:
         """Check that there is a logger to send to and a learning rate to read."""
-        trainer = rec.trainer
-        if not getattr(trainer, "loggers", None):
+        if not rec.run.loggers:
             raise RuntimeError(
                 "LearningRateMonitor needs a logger to send the learning rate to, and the "
                 "Trainer has none; pass Trainer(logger=...) (e.g. engine.loggers.CSVLogger) or "
                 "remove the LearningRateMonitor"
             )
-        task = getattr(trainer, "task", None)
+        task = rec.run.task
         if getattr(task, "lr", None) is None:
             raise RuntimeError(
                 "LearningRateMonitor reads the learning rate from the task, and this task has "
@@ -108,34 +105,35 @@ class LearningRateMonitor(Listener):
         self.lrs = {"lr": []}
         self._last_step = None
 
-    def on_train_batch_start(self, rec: EventRecord) -> None:
+    def on_train_batch_start(self, rec: EventRecord) -> Log | None:
         """In step mode: log the rate this batch's optimizer update uses."""
         if self.logging_interval == "epoch":
-            return
+            return None
         state = _state(rec)
         if state.micro_step or state.step == self._last_step:
-            return  # one record per optimizer step, not per micro-batch
-        every = getattr(rec.trainer, "log_every_n_steps", None)
+            return None  # one record per optimizer step, not per micro-batch
+        config = rec.run.config
+        every = config.log_every_n_steps if config is not None else None
         if every and (state.step + 1) % every:
-            return
-        self._log(rec.trainer, state.step)
+            return None
+        return self._log(rec.run, state.step)
 
-    def on_train_epoch_start(self, rec: EventRecord) -> None:
+    def on_train_epoch_start(self, rec: EventRecord) -> Log | None:
         """In epoch mode: log the rate at the epoch's first step."""
         if self.logging_interval != "epoch":
-            return
+            return None
         state = _state(rec)
-        self._log(rec.trainer, state.step)
+        return self._log(rec.run, state.step)
 
-    def _log(self, trainer: Any, step: int) -> None:
-        task = trainer.task
-        stats = {"lr": _value(task.lr, step)}
+    def _log(self, run: RunView, step: int) -> Log:
+        task = run.task
+        stats = {"lr": _value(getattr(task, "lr", None), step)}
         momentum = getattr(task, "momentum", None) if self.log_momentum else None
         if momentum is not None:
             stats["momentum"] = _value(momentum, step)
         self.lrs["lr"].append(stats["lr"])
         self._last_step = step
-        trainer.log_metrics(stats, step=step)
+        return Log(stats, step=step)
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing to carry: the rate is a function of the step."""

@@ -1,10 +1,10 @@
 """``ProgressBar``: tqdm bars for training, validation (and the sanity check), test and predict.
 
 Lightning's ``TQDMProgressBar`` layout: a training bar per epoch ("Epoch N", batches/total,
-it/s and a postfix of the logger version and ``trainer.progress_bar_metrics``), and below it a
+it/s and a postfix of the logger version and ``rec.run.progress_bar_metrics``), and below it a
 validation bar that exists while a validation loop runs. Test and predict loops get a bar of
 their own. A bar advances every ``refresh_rate`` batches (and on the last one); in between, a
-batch costs one modulo. The postfix only formats the floats the Trainer already holds in
+batch costs one modulo. The postfix only formats the floats the run already holds in
 ``progress_bar_metrics``, so drawing never waits for the device.
 
 Output goes to ``sys.stdout`` and, as with tqdm's ``disable=None``, no bar is drawn when it is
@@ -21,7 +21,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from engine.events import EventRecord, Listener
+from engine.events import EventRecord, Listener, RunView
 
 __all__ = ["ProgressBar", "write_message"]
 
@@ -110,15 +110,14 @@ class ProgressBar(Listener):
 
     Example:
         >>> import io
-        >>> from types import SimpleNamespace
-        >>> from engine.events import Event, EventRecord
+        >>> from engine.events import Event, EventRecord, RunView
         >>> from engine.listeners import ProgressBar
         >>> out = io.StringIO()
         >>> bar = ProgressBar(refresh_rate=2, file=out)
-        >>> trainer = SimpleNamespace(current_epoch=0, num_training_batches=4, loggers=[],
-        ...                           progress_bar_metrics={"train/loss": 0.25})
+        >>> run = RunView(stage="fit", num_training_batches=4,
+        ...               progress_bar_metrics={"train/loss": 0.25})
         >>> def rec(event, batch_idx=None):
-        ...     return EventRecord(event, "fit", None, {}, trainer, batch_idx=batch_idx)
+        ...     return EventRecord(event, "fit", None, {}, run, batch_idx=batch_idx)
         >>> bar.on_train_epoch_start(rec(Event.ON_TRAIN_EPOCH_START))
         >>> for i in range(4):
         ...     bar.on_train_batch_end(rec(Event.ON_TRAIN_BATCH_END, i))
@@ -202,7 +201,7 @@ class ProgressBar(Listener):
             return
         loop.drawn_at = now
         if postfix:
-            loop.bar.set_postfix(self.get_metrics(rec.trainer), refresh=False)
+            loop.bar.set_postfix(self.get_metrics(rec.run), refresh=False)
         loop.bar.refresh()
 
     @staticmethod
@@ -210,17 +209,18 @@ class ProgressBar(Listener):
         if loop is not None:
             loop.bar.close()
 
-    def get_metrics(self, trainer: Any) -> dict[str, Any]:
-        """The postfix: the loggers' version (``v_num``) and ``trainer.progress_bar_metrics``.
+    def get_metrics(self, run: RunView) -> dict[str, Any]:
+        """The postfix: the loggers' version (``v_num``) and ``run.progress_bar_metrics``.
 
-        Override to change what the bar shows. The values are host floats already; nothing here
-        reads a device tensor.
+        Override to change what the bar shows (Lightning's ``get_metrics(trainer, pl_module)``
+        takes the trainer; this takes the run's view, ``rec.run``). The values are host floats
+        already; nothing here reads a device tensor.
         """
         items: dict[str, Any] = {}
-        version = _version(getattr(trainer, "loggers", None) or [])
+        version = _version(run.loggers)
         if version not in (None, ""):
             items["v_num"] = version[-4:] if isinstance(version, str) else version
-        items.update(getattr(trainer, "progress_bar_metrics", None) or {})
+        items.update(run.progress_bar_metrics)
         return items
 
     # ------------------------------------------------------------------ training
@@ -230,9 +230,9 @@ class ProgressBar(Listener):
 
         One bar is reset for every epoch; with ``leave`` each epoch gets a new bar.
         """
-        trainer = rec.trainer
-        totals = [_count(trainer.num_training_batches)]
-        desc = f"Epoch {trainer.current_epoch}"
+        run = rec.run
+        totals = [_count(run.num_training_batches)]
+        desc = f"Epoch {run.current_epoch}"
         if self._train is None or self.leave:
             self._close(self._train)
             self._train = self._open("Epoch", totals, position=0, leave=True, first_desc=desc)
@@ -249,7 +249,7 @@ class ProgressBar(Listener):
         """Show the epoch's final metrics; close the bar when each epoch keeps its own."""
         if self._train is None:
             return
-        self._train.bar.set_postfix(self.get_metrics(rec.trainer))
+        self._train.bar.set_postfix(self.get_metrics(rec.run))
         if self.leave:
             self._close(self._train)
             self._train = None
@@ -263,10 +263,9 @@ class ProgressBar(Listener):
 
     def on_sanity_check_start(self, rec: EventRecord) -> None:
         """Open the sanity-check bar (it closes when the sanity check ends)."""
-        trainer = rec.trainer
-        limit = getattr(trainer, "num_sanity_val_steps", -1)
-        limit = math.inf if limit is None or limit < 0 else limit
-        totals = [_count(min(limit, n)) for n in trainer.num_val_batches]
+        run = rec.run
+        limit = run.config.num_sanity_val_steps if run.config is not None else math.inf
+        totals = [_count(min(limit, n)) for n in run.num_val_batches]
         self._close(self._val)
         self._val = self._open("Sanity Checking", totals, position=0, leave=False)
 
@@ -277,10 +276,10 @@ class ProgressBar(Listener):
 
     def on_validation_start(self, rec: EventRecord) -> None:
         """Open the validation bar (below the training bar while fitting)."""
-        if getattr(rec.trainer, "sanity_checking", False):
+        if rec.run.sanity_checking:
             return  # the sanity-check bar is already open
         fitting = rec.stage == "fit"
-        totals = [_count(n) for n in rec.trainer.num_val_batches]
+        totals = [_count(n) for n in rec.run.num_val_batches]
         self._close(self._val)
         self._val = self._open("Validation", totals, position=int(fitting), leave=not fitting)
 
@@ -291,18 +290,18 @@ class ProgressBar(Listener):
 
     def on_validation_end(self, rec: EventRecord) -> None:
         """Close the validation bar; show the new validation metrics on the training bar."""
-        if getattr(rec.trainer, "sanity_checking", False):
+        if rec.run.sanity_checking:
             return  # closed by on_sanity_check_end
         self._close(self._val)
         self._val = None
         if self._train is not None:
-            self._train.bar.set_postfix(self.get_metrics(rec.trainer))
+            self._train.bar.set_postfix(self.get_metrics(rec.run))
 
     # ------------------------------------------------------------------ test and predict
 
     def on_test_start(self, rec: EventRecord) -> None:
         """Open the test bar."""
-        totals = [_count(n) for n in getattr(rec.trainer, "num_test_batches", None) or []]
+        totals = [_count(n) for n in rec.run.num_test_batches]
         self._close(self._test)
         self._test = self._open("Testing", totals, position=0, leave=True)
 
@@ -318,7 +317,7 @@ class ProgressBar(Listener):
 
     def on_predict_start(self, rec: EventRecord) -> None:
         """Open the predict bar."""
-        totals = [_count(n) for n in getattr(rec.trainer, "num_predict_batches", None) or []]
+        totals = [_count(n) for n in rec.run.num_predict_batches]
         self._close(self._predict)
         self._predict = self._open("Predicting", totals, position=0, leave=True)
 

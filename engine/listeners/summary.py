@@ -147,13 +147,12 @@ class ModelSummary(Listener):
 
     Example:
         >>> import torch
-        >>> from types import SimpleNamespace
         >>> import engine as eg
         >>> from engine import optim
         >>> from engine.events import Event, EventRecord
         >>> from engine.listeners import ModelSummary
         >>> state = eg.TrainState.create(torch.nn.Linear(3, 2), optim.sgd(0.1))
-        >>> rec = EventRecord(Event.ON_FIT_START, "fit", state, {}, SimpleNamespace())
+        >>> rec = EventRecord(Event.ON_FIT_START, "fit", state, {})
         >>> ModelSummary(max_depth=1).on_fit_start(rec)  # a Linear has no children: totals
         8         Trainable params
         0         Non-trainable params
@@ -173,10 +172,9 @@ class ModelSummary(Listener):
         """Print the summary of the state being fitted."""
         if self.max_depth == 0:
             return
-        state: Any = rec.state if rec.state is not None else getattr(rec.trainer, "state", None)
-        if state is None:
+        if rec.state is None:
             return
-        print(summarize(state, self.max_depth), file=self.file)
+        print(summarize(rec.state, self.max_depth), file=self.file)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**vars(self), "file": None}  # a file handle does not pickle

@@ -10,12 +10,12 @@ travels in checkpoints, so a resumed run keeps counting from where it stopped.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from datetime import timedelta
 from time import monotonic as _monotonic
 from typing import Any
 
+from engine._duration import parse_duration
 from engine.events import EventRecord, Listener, Stop
 from engine.listeners.progress import write_message
 
@@ -23,61 +23,6 @@ __all__ = ["Timer", "parse_duration"]
 
 _STAGES = ("train", "sanity_check", "validate", "test", "predict")
 _ALIASES = {"fit": "train", "training": "train", "validation": "validate"}
-_DURATION = re.compile(r"(\d+):(\d\d):(\d\d):(\d\d)")
-
-
-def parse_duration(value: str | timedelta | Mapping[str, float] | None) -> timedelta | None:
-    """A duration as a ``timedelta``: from ``"DD:HH:MM:SS"``, a timedelta or timedelta's keywords.
-
-    Args:
-        value: ``"DD:HH:MM:SS"`` (days may have any number of digits, the rest two each), a
-            ``timedelta``, a dict of ``timedelta`` keywords (``{"hours": 12}``) or ``None``.
-
-    Returns:
-        The duration, or ``None`` for ``None``.
-
-    Raises:
-        ValueError: if the string is not ``DD:HH:MM:SS``, the dict has keys ``timedelta``
-            does not take, or the duration is negative.
-        TypeError: for any other type.
-
-    Example:
-        >>> from engine.listeners import parse_duration
-        >>> parse_duration("01:12:00:30")
-        datetime.timedelta(days=1, seconds=43230)
-        >>> parse_duration({"minutes": 90})
-        datetime.timedelta(seconds=5400)
-    """
-    if value is None:
-        return None
-    if isinstance(value, timedelta):
-        duration = value
-    elif isinstance(value, str):
-        m = _DURATION.fullmatch(value.strip())
-        if m is None:
-            raise ValueError(
-                f"duration {value!r} is not DD:HH:MM:SS (days:hours:minutes:seconds, e.g. "
-                "'00:12:00:00' for 12 hours); pass such a string, a timedelta or a dict like "
-                "{'hours': 12}"
-            )
-        days, hours, minutes, seconds = map(int, m.groups())
-        duration = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
-    elif isinstance(value, Mapping):
-        try:
-            duration = timedelta(**value)
-        except TypeError as e:
-            raise ValueError(
-                f"duration {dict(value)!r} is not a set of timedelta keywords ({e}); use "
-                "weeks, days, hours, minutes, seconds, milliseconds or microseconds"
-            ) from None
-    else:
-        raise TypeError(
-            f"duration must be a 'DD:HH:MM:SS' string, a timedelta or a dict of timedelta "
-            f"keywords (got {type(value).__name__} {value!r})"
-        )
-    if duration < timedelta(0):
-        raise ValueError(f"duration must not be negative (got {value!r})")
-    return duration
 
 
 def _stage(stage: str) -> str:
@@ -102,11 +47,10 @@ class Timer(Listener):
             ``interval`` is not ``"step"`` or ``"epoch"``.
 
     Example:
-        >>> from types import SimpleNamespace
         >>> from engine.events import Event, EventRecord
         >>> from engine.listeners import Timer
         >>> timer = Timer(duration={"seconds": 0}, verbose=False)
-        >>> rec = EventRecord(Event.ON_TRAIN_START, "fit", None, {}, SimpleNamespace())
+        >>> rec = EventRecord(Event.ON_TRAIN_START, "fit", None, {})
         >>> timer.on_train_start(rec)
         >>> timer.on_train_batch_end(rec)  # 0 seconds: spent at once
         Stop(reason='time limit reached: ...')

@@ -2,14 +2,15 @@
 Trainer's, for now).
 
 * :func:`resolve` / :class:`LoopConfig`: the Trainer's flags, checked and resolved once into a
-  frozen record.
+  frozen record (``flags.py`` / ``config.py``).
 * :class:`Phase`: where the fit loop is, as a checkpoint records it.
 * :mod:`engine.loop.schedule`: when to validate and when to stop, as pure predicates that the
   Trainer and the listeners share.
 """
 
 from engine.loop import schedule
-from engine.loop.config import LoopConfig, resolve
+from engine.loop.config import LoopConfig
+from engine.loop.flags import resolve
 from engine.loop.progress import Phase
 
 __all__ = ["LoopConfig", "Phase", "resolve", "schedule"]

@@ -1,30 +1,21 @@
-"""The Trainer's flags, checked and resolved once into a frozen :class:`LoopConfig`.
+"""The Trainer's flags as resolved: the frozen :class:`LoopConfig`.
 
-:func:`resolve` takes the Trainer's keyword arguments (same names, defaults and meanings) and
-does everything the flags imply before a run starts: each flag is checked (``engine._config``:
-an error names the flag, the value and what is accepted), Lightning's defaults are filled in
-(``max_epochs``, ``num_sanity_val_steps``, ``min_epochs`` with ``min_steps``), and
-``overfit_batches``, ``fast_dev_run`` and ``barebones`` are applied to the flags they override.
-What comes out is plain values: the loop and the listeners read it, nothing writes it.
+:func:`engine.loop.resolve` (``engine/loop/flags.py``) checks the flags and builds it once; the
+loop and the listeners (through ``rec.run.config``) read it, nothing writes it. This module
+imports nothing of engine's, so any layer may name the type.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import timedelta
-from types import MappingProxyType
 from typing import Any
 
 import attrs
 import torch
 
-from engine import _config as cfg
-
-__all__ = ["LoopConfig", "resolve"]
-
-# turned off by barebones; None (the default) means on
-_ENABLE = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary")
+__all__ = ["LoopConfig"]
 
 
 @attrs.frozen(kw_only=True)
@@ -109,184 +100,3 @@ class LoopConfig:
             out[field.name] = value
         out["torch_version"] = torch.__version__
         return out
-
-
-def resolve(
-    *,
-    accelerator: str = "auto",
-    strategy: str = "auto",
-    devices: int | str | Sequence[int] = "auto",
-    num_nodes: int = 1,
-    precision: int | str | None = None,
-    logger: Any = None,
-    callbacks: Any = None,
-    fast_dev_run: int | bool = False,
-    max_epochs: int | None = None,
-    min_epochs: int | None = None,
-    max_steps: int = -1,
-    min_steps: int | None = None,
-    max_time: str | timedelta | dict[str, int] | None = None,
-    limit_train_batches: int | float | None = None,
-    limit_val_batches: int | float | None = None,
-    limit_test_batches: int | float | None = None,
-    limit_predict_batches: int | float | None = None,
-    overfit_batches: int | float = 0.0,
-    val_check_interval: int | float | None = None,
-    check_val_every_n_epoch: int | None = 1,
-    num_sanity_val_steps: int | None = None,
-    log_every_n_steps: int | None = None,
-    enable_checkpointing: bool | None = None,
-    enable_progress_bar: bool | None = None,
-    enable_model_summary: bool | None = None,
-    accumulate_grad_batches: int = 1,
-    gradient_clip_val: int | float | None = None,
-    gradient_clip_algorithm: str | None = None,
-    deterministic: bool | str | None = None,
-    benchmark: bool | None = None,
-    inference_mode: bool = True,
-    use_distributed_sampler: bool = True,
-    profiler: str | None = None,
-    detect_anomaly: bool = False,
-    barebones: bool = False,
-    plugins: Any = None,
-    sync_batchnorm: bool = False,
-    reload_dataloaders_every_n_epochs: int = 0,
-    default_root_dir: str | os.PathLike[str] | None = None,
-    compile: bool | Mapping[str, Any] = False,
-    enable_journal: bool | None = None,
-) -> LoopConfig:
-    """Check the Trainer's flags and resolve them into a :class:`LoopConfig` (the Trainer's
-    keyword arguments, with its defaults; ``logger``, ``callbacks`` and ``plugins`` are checked
-    only).
-
-    Raises:
-        ValueError: naming the first flag with a value it does not accept.
-
-    Example:
-        >>> from engine.loop import resolve
-        >>> config = resolve(max_steps=100, num_sanity_val_steps=-1)
-        >>> config.max_epochs, config.num_sanity_val_steps, config.limit_train_batches
-        (-1, inf, 1.0)
-        >>> quick = resolve(fast_dev_run=3)
-        >>> quick.max_steps, quick.max_epochs, quick.limit_val_batches, quick.enable_journal
-        (3, 1, 3, False)
-        >>> resolve(barebones=True).enable_progress_bar
-        False
-        >>> resolve(max_epochs=-2)
-        Traceback (most recent call last):
-        ...
-        ValueError: Trainer(max_epochs=-2): max_epochs must be an int >= -1 or None
-    """
-    flags = dict(locals())
-    # -- flags with a fixed set of values (placement and scale-out: single-process CPU until
-    # their own issues land; _config.CHOICES)
-    cfg.check_choices(**{name: flags[name] for name in cfg.CHOICES})
-    cfg.check_compile(compile)
-    cfg.check_clip_val(gradient_clip_val)
-    cfg.check_loggers(logger)
-    cfg.check_callbacks(callbacks)
-    resolved = _loop_limits(flags)
-    resolved.update(_fast_dev_run(fast_dev_run))
-    resolved.update({name: flags[name] is not False for name in _ENABLE})
-    if barebones:  # the bare loop: what costs per step is refused, the rest turned off
-        _check_barebones(flags)
-        resolved.update(dict.fromkeys(_ENABLE, False), num_sanity_val_steps=0)
-    return LoopConfig(
-        accelerator=accelerator,
-        strategy=strategy,
-        devices=devices if isinstance(devices, (int, str)) else tuple(devices),
-        num_nodes=num_nodes,
-        precision=precision,
-        sync_batchnorm=sync_batchnorm,
-        use_distributed_sampler=use_distributed_sampler,
-        barebones=barebones,
-        log_every_n_steps=log_every_n_steps if log_every_n_steps is not None else 50,
-        # fast_dev_run is a smoke test: like its loggers and checkpoints, no journal
-        enable_journal=enable_journal is not False and not (barebones or resolved["fast_dev_run"]),
-        gradient_clip_val=gradient_clip_val,
-        gradient_clip_algorithm=gradient_clip_algorithm or "norm",
-        deterministic=deterministic,
-        benchmark=benchmark,
-        inference_mode=inference_mode,
-        detect_anomaly=detect_anomaly,
-        profiler=profiler,
-        compile=compile if isinstance(compile, bool) else MappingProxyType(dict(compile)),
-        default_root_dir=cfg.root_dir(default_root_dir),
-        **resolved,
-    )
-
-
-def _loop_limits(flags: dict[str, Any]) -> dict[str, Any]:
-    """Limits and the validation schedule, checked in the flags' order, with Lightning's
-    defaults filled in."""
-    out: dict[str, Any] = {}
-    out["max_steps"] = cfg.check_int("max_steps", flags["max_steps"], minimum=-1)
-    out["min_steps"] = cfg.check_int("min_steps", flags["min_steps"], minimum=0, allow_none=True)
-    out["min_epochs"] = cfg.check_int("min_epochs", flags["min_epochs"], minimum=0, allow_none=True)
-    if out["min_epochs"] is None and out["min_steps"] is not None:
-        # Lightning's _parse_loop_limits: with min_steps, a stop request still completes the
-        # first epoch
-        out["min_epochs"] = 1
-    max_epochs = cfg.check_int("max_epochs", flags["max_epochs"], minimum=-1, allow_none=True)
-    out["max_time"] = cfg.parse_max_time(flags["max_time"])
-    if max_epochs is None:
-        max_epochs = 1000 if out["max_steps"] == -1 and out["max_time"] is None else -1
-    out["max_epochs"] = max_epochs
-    for kind in ("train", "val", "test", "predict"):
-        name = f"limit_{kind}_batches"
-        out[name] = cfg.check_limit(name, flags[name])
-    out["overfit_batches"] = cfg.check_limit("overfit_batches", flags["overfit_batches"])
-    if out["overfit_batches"] > 0:
-        out["limit_train_batches"] = out["limit_val_batches"] = out["overfit_batches"]
-    every = flags["check_val_every_n_epoch"]
-    out["val_check_interval"] = cfg.check_val_check_interval(flags["val_check_interval"], every)
-    out["check_val_every_n_epoch"] = cfg.check_int(
-        "check_val_every_n_epoch", every, minimum=1, allow_none=True
-    )
-    out["num_sanity_val_steps"] = cfg.sanity_steps(flags["num_sanity_val_steps"])
-    out["accumulate_grad_batches"] = cfg.check_int(
-        "accumulate_grad_batches", flags["accumulate_grad_batches"], minimum=1
-    )
-    out["reload_dataloaders_every_n_epochs"] = cfg.check_int(
-        "reload_dataloaders_every_n_epochs",
-        flags["reload_dataloaders_every_n_epochs"],
-        minimum=0,
-    )
-    if flags["log_every_n_steps"] is not None:
-        cfg.check_int("log_every_n_steps", flags["log_every_n_steps"], minimum=1)
-    return out
-
-
-def _fast_dev_run(value: Any) -> dict[str, Any]:
-    """``fast_dev_run``: n batches of everything, once, no loggers (Lightning's meaning)."""
-    if not isinstance(value, bool):
-        cfg.check_int("fast_dev_run", value, minimum=0)
-    n = int(value)
-    if not n:
-        return {"fast_dev_run": 0}
-    return {
-        "fast_dev_run": n,
-        **{f"limit_{kind}_batches": n for kind in ("train", "val", "test", "predict")},
-        "max_steps": n,
-        "max_epochs": 1,
-        "num_sanity_val_steps": 0,
-        "val_check_interval": 1.0,
-        "check_val_every_n_epoch": 1,
-    }
-
-
-def _check_barebones(flags: dict[str, Any]) -> None:
-    """``barebones`` refuses every flag with a per-step cost."""
-    cfg.check_barebones(
-        logger=flags["logger"] not in (None, False),
-        enable_checkpointing=bool(flags["enable_checkpointing"]),
-        enable_progress_bar=bool(flags["enable_progress_bar"]),
-        enable_model_summary=bool(flags["enable_model_summary"]),
-        enable_journal=bool(flags["enable_journal"]),
-        log_every_n_steps=flags["log_every_n_steps"] is not None,
-        detect_anomaly=flags["detect_anomaly"],
-        profiler=flags["profiler"] is not None,
-        # Lightning also turns these off in barebones mode
-        num_sanity_val_steps=flags["num_sanity_val_steps"] not in (None, 0),
-        fast_dev_run=bool(flags["fast_dev_run"]),
-    )

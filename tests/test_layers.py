@@ -1,0 +1,107 @@
+"""The package's layers: its import graph, read from the source, has no cycle.
+
+Every ``import`` of an ``engine`` module counts, wherever it is written: at the top, inside a
+function, or under ``if TYPE_CHECKING:`` (a type import that closes a loop still says that a
+lower layer knows a higher one). Nothing is imported or run to build the graph.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ENGINE = Path(__file__).resolve().parents[1] / "engine"
+
+
+def _module(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(root: Path = ENGINE) -> dict[str, set[str]]:
+    """``{module: modules of the package it imports}``; an import of a package counts as one of
+    its ``__init__``, an import of a module's own parent package (always run first) does not."""
+    files = {_module(p, root): p for p in root.rglob("*.py")}
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*up, *([base] if base else [])])
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            for target in targets:
+                found = known(target)
+                if found and found != mod and not mod.startswith(found + "."):
+                    graph[mod].add(found)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None."""
+    done: set[str] = set()
+    path: list[str] = []
+    on_path: set[str] = set()
+
+    def visit(node: str) -> list[str] | None:
+        path.append(node)
+        on_path.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt in on_path:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in done:
+                found = visit(nxt)
+                if found:
+                    return found
+        on_path.discard(path.pop())
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if start not in done:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert "engine.trainer" in graph and "engine.events" in graph  # the graph was read
+    cycle = find_cycle(graph)
+    assert cycle is None, "engine imports in a cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_names_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_listeners_and_events_know_nothing_of_the_trainer():
+    """A listener reads ``rec.run`` and returns requests: no listener module, nor the events
+    module, imports the Trainer or its private parts."""
+    graph = import_graph()
+    driver = {"engine.trainer", "engine._resume", "engine._profiling", "engine._config"}
+    for mod, imported in graph.items():
+        if mod == "engine.events" or mod.startswith("engine.listeners"):
+            assert not imported & driver, (mod, sorted(imported & driver))
+    reaching = {"trainer", "save_checkpoint", "_write_checkpoint", "log_metrics"}
+    for path in [ENGINE / "events.py", *(ENGINE / "listeners").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                assert node.attr not in reaching, f"{path.name}:{node.lineno}: .{node.attr}"
