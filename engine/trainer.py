@@ -334,22 +334,16 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
 
     def _emit(self, event: Event, **fields: Any) -> None:
         """Emit an event between batches (the view of the run is built anew)."""
-        if not self._emitter.wants(event):
-            return
-        view = self._view_now()
-        stage = "sanity_check" if self.sanity_checking else view.stage
-        record = EventRecord(event, stage, self._state, view.callback_metrics, view, **fields)
-        requests = self._emitter.emit(event, record)
-        if requests:
-            self._carry_out(event, requests)
-        if self._in_flight:
-            self._reap(wait=False)
+        if self._emitter.wants(event):
+            self._dispatch(event, self._view_now(), fields)
 
     def _emit_batch(self, event: Event, **fields: Any) -> None:
         """Emit a batch event (the hot path: the view is reused within a batch)."""
-        if not self._emitter.wants(event):
-            return
-        view = self._batch_view()
+        if self._emitter.wants(event):
+            self._dispatch(event, self._batch_view(), fields)
+
+    def _dispatch(self, event: Event, view: RunView, fields: dict[str, Any]) -> None:
+        """``event`` to every listener, then the requests they made, carried out."""
         stage = "sanity_check" if self.sanity_checking else view.stage
         record = EventRecord(event, stage, self._state, view.callback_metrics, view, **fields)
         requests = self._emitter.emit(event, record)

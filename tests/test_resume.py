@@ -357,6 +357,25 @@ class _Ends(eg.Listener):
             self.at_save = len(self.seen)
 
 
+_VALIDATING = {  # validation every 3 batches across epochs, logging every 2 steps
+    "max_epochs": 3,
+    "log_every_n_steps": 2,
+    "val_check_interval": 3,
+    "check_val_every_n_epoch": None,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
+def _uninterrupted(task: eg.Task, data: list) -> tuple[_Log, _Ends]:
+    """What the run that never stopped logged, and the validation ends it fired."""
+    full_log, full_ends = _Log(), _Ends()
+    eg.Trainer(logger=full_log, callbacks=[full_ends], **_VALIDATING).fit(
+        task, task.init(_model(), seed=5), data, data[:3]
+    )
+    return full_log, full_ends
+
+
 @pytest.mark.parametrize(
     ("event", "epoch", "batch_idx"),
     [
@@ -370,19 +389,8 @@ class _Ends(eg.Listener):
 def test_a_resume_completes_the_batch_or_epoch_the_checkpoint_was_saved_in(
     tmp_path, event, epoch, batch_idx
 ):
-    task, data = _task(), _data()
-    kw = {
-        "max_epochs": 3,
-        "log_every_n_steps": 2,
-        "val_check_interval": 3,
-        "check_val_every_n_epoch": None,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-    }
-    full_log, full_ends = _Log(), _Ends()
-    eg.Trainer(logger=full_log, callbacks=[full_ends], **kw).fit(
-        task, task.init(_model(), seed=5), data, data[:3]
-    )
+    task, data, kw = _task(), _data(), _VALIDATING
+    full_log, full_ends = _uninterrupted(task, data)
     ckpt, saving_log = tmp_path / "c", _Log()
     saver = _SaveOn(event, epoch, batch_idx, ckpt, saving_log)
     saving_ends = _Ends(ckpt)
@@ -419,19 +427,8 @@ def test_a_checkpoint_of_the_engine_before_requests_still_resumes(
 ):
     from test_checkpoint_integrity import _forge
 
-    task, data = _task(), _data()
-    kw = {
-        "max_epochs": 3,
-        "log_every_n_steps": 2,
-        "val_check_interval": 3,
-        "check_val_every_n_epoch": None,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-    }
-    full_log, full_ends = _Log(), _Ends()
-    eg.Trainer(logger=full_log, callbacks=[full_ends], **kw).fit(
-        task, task.init(_model(), seed=5), data, data[:3]
-    )
+    task, data, kw = _task(), _data(), _VALIDATING
+    full_log, full_ends = _uninterrupted(task, data)
     batch_idx = 1 if event == "on_train_batch_end" else None
     ckpt = tmp_path / "c"
     saver, saving_ends = _SaveOn(event, 1, batch_idx, ckpt, _Log()), _Ends(ckpt)
