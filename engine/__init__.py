@@ -11,7 +11,17 @@ journaled run and checks it bitwise.
 
 from engine import checkpoint, data, listeners, loggers, optim, rng, transforms
 from engine._replay import Divergence, ReplayError, ReplayReport, UntrustedCodeError, replay
-from engine.events import Event, EventRecord, Listener, Log, RunView, Save, Stop, on
+from engine.events import (
+    Event,
+    EventRecord,
+    Listener,
+    Log,
+    RunView,
+    Save,
+    Stop,
+    Transition,
+    on,
+)
 from engine.listeners import (
     EarlyStopping,
     Journal,
@@ -67,6 +77,7 @@ __all__ = [
     "PredictStep",
     "TrainState",
     "TrainStep",
+    "Transition",
     "__version__",
     "checkpoint",
     "data",

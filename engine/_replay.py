@@ -36,7 +36,7 @@ import torch
 
 from engine import checkpoint
 from engine._pickling import load_skeleton, loads_code
-from engine.events import EventRecord, Listener
+from engine.events import EventRecord, Listener, Transition
 from engine.listeners.journal import CONFIG, DATA, JOURNAL, MODEL, TASK, Journal
 from engine.state import TrainState
 
@@ -184,6 +184,10 @@ class _Diverged(Exception):
 
 def _key(step: int, epoch: int, batch_idx: int, micro_step: int) -> tuple[int, int, int, int]:
     return step, epoch, batch_idx, micro_step
+
+
+def _line_key(line: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    return _key(line["step"], line["epoch"], line["batch_idx"], line.get("micro_step", 0))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -413,8 +417,12 @@ def replay(
     if not trust_code:
         raise _untrusted(root)
     task, template, data, flags = _load_run(root, data)
-    checker = _Checker(_expected(lines, start_line, to_step), start_line, (from_step, to_step))
-    outcome = _run_checked(task, template, data, ckpt, flags, checker, to_step, detect_anomaly)
+    transitions = _Transitions(root, lines, start_line)
+    kept = [x for x in lines if id(x) not in transitions.deferred]
+    checker = _Checker(_expected(kept, start_line, to_step), start_line, (from_step, to_step))
+    outcome = _run_checked(
+        task, template, data, ckpt, flags, [checker, transitions], to_step, detect_anomaly
+    )
     return ReplayReport(
         run_dir=str(root),
         checkpoint=str(ckpt),
@@ -496,9 +504,108 @@ def _expected(
     for line in lines:
         if (line["step"], line.get("micro_step", 0)) <= start_key or line["step"] > to_step:
             continue
+        if "transition" in line:  # applied again by _Transitions, not compared
+            continue
         key = _key(line["step"], line["epoch"], line["batch_idx"], line.get("micro_step", 0))
         expected.setdefault(key, []).append(line)
     return expected
+
+
+# the events a replay emits in place of those a transition was asked for in that it does not
+# emit (it skips validation): the last event of the same batch, before the next step
+_REPLAYED_AT = {
+    "on_validation_start": "on_train_batch_end",
+    "on_validation_epoch_start": "on_train_batch_end",
+    "on_validation_batch_start": "on_train_batch_end",
+    "on_validation_batch_end": "on_train_batch_end",
+    "on_validation_epoch_end": "on_train_batch_end",
+    "on_validation_end": "on_train_batch_end",
+}
+
+
+class _Transitions(Listener):
+    """Applies the run's journaled state transitions again, at the positions they were applied.
+
+    Those journaled before the checkpoint the replay starts from are in its state already; those
+    after it at the same position (asked for later in the event the checkpoint was saved in, or
+    in a later event of that batch) are applied when the replay starts.
+    """
+
+    def __init__(self, root: Path, lines: list[dict[str, Any]], start_line: dict[str, Any]) -> None:
+        position = _key(
+            start_line["step"],
+            start_line["epoch"],
+            start_line["batch_idx"],
+            start_line.get("micro_step", 0),
+        )
+        after = lines.index(start_line) + 1
+        self.at_start: list[Transition] = []
+        self.pending: dict[tuple[str, tuple[int, int, int, int]], list[Transition]] = {}
+        # checkpoints saved right after a transition at their position: their fingerprints are
+        # of the state the transition made, compared once it is applied (on_state_transition)
+        self.verify: dict[int, list[dict[str, Any]]] = {}  # by id of the Transition
+        self.deferred: set[int] = set()  # ids of those lines, which the checker passes over
+        by_index: dict[int, tuple[Transition, tuple[int, int, int, int]]] = {}
+        for line in lines[after:]:
+            if "transition" not in line:
+                before = by_index.get(line.get("transitions", 0) - 1)
+                if (
+                    "checkpoint" in line
+                    and "fingerprint" in line
+                    and before is not None
+                    and before[1] == _line_key(line)
+                ):
+                    self.verify.setdefault(id(before[0]), []).append(line)
+                    self.deferred.add(id(line))
+                continue
+            if "function" not in line:
+                raise ReplayError(
+                    f"{root / JOURNAL}: the state transition {line['transition']!r} at step "
+                    f"{line['step']} was not saved (its function did not pickle): this run "
+                    "cannot be replayed past it"
+                )
+            fn = loads_code((root / line["function"]).read_bytes())
+            request = Transition(fn, name=line["transition"])
+            key = _line_key(line)
+            if "index" in line:
+                by_index[line["index"]] = (request, key)
+            if key == position:
+                self.at_start.append(request)
+                continue
+            event = _REPLAYED_AT.get(line["cause"], line["cause"])
+            self.pending.setdefault((event, key), []).append(request)
+
+    def on_train_start(self, rec: EventRecord) -> list[Transition]:
+        out, self.at_start = self.at_start, []
+        return out
+
+    def on_state_transition(self, rec: EventRecord) -> None:
+        state = rec.state
+        assert state is not None
+        for line in self.verify.pop(id(rec.transition), ()):
+            actual = _fingerprint(state, line["fingerprint"])
+            if actual != line["fingerprint"]:
+                raise _Diverged(
+                    Divergence(
+                        state.step,
+                        state.epoch,
+                        state.batch_idx,
+                        {"fingerprint": (line["fingerprint"], actual)},
+                    ),
+                    after=None,
+                )
+
+    def _due(self, rec: EventRecord) -> list[Transition] | None:
+        state = rec.state
+        if state is None or not self.pending:
+            return None
+        key = _key(state.step, state.epoch, state.batch_idx, state.micro_step)
+        return self.pending.pop((rec.event.value, key), None)
+
+    on_train_epoch_start = _due
+    on_train_batch_start = _due
+    on_train_batch_end = _due
+    on_train_epoch_end = _due
 
 
 def _run_checked(
@@ -507,7 +614,7 @@ def _run_checked(
     data: Any,
     ckpt: Path,
     flags: dict[str, Any],
-    checker: _Checker,
+    listeners: list[Any],
     to_step: int,
     detect_anomaly: bool,
 ) -> dict[str, Any]:
@@ -516,6 +623,7 @@ def _run_checked(
     ``anomaly_step``."""
     from engine.trainer import Trainer
 
+    checker = listeners[0]
     checker.detect_anomaly = detect_anomaly
     anomaly_was = torch.is_anomaly_enabled()
     outcome: dict[str, Any] = {}
@@ -530,7 +638,7 @@ def _run_checked(
             enable_journal=False,
             num_sanity_val_steps=0,
             limit_val_batches=0,  # validation cannot change the state
-            callbacks=[checker],
+            callbacks=listeners,
             default_root_dir=scratch,
             **flags,
         )

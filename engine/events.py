@@ -45,6 +45,7 @@ __all__ = [
     "RunView",
     "Save",
     "Stop",
+    "Transition",
     "check_listener",
     "on",
 ]
@@ -88,6 +89,8 @@ class Event(str, enum.Enum):
     ON_EXCEPTION = "on_exception"
     ON_SAVE_CHECKPOINT = "on_save_checkpoint"
     ON_LOAD_CHECKPOINT = "on_load_checkpoint"
+    # engine's own: a listener's Transition has been applied (the Journal records it for replay)
+    ON_STATE_TRANSITION = "on_state_transition"
     TEARDOWN = "teardown"
 
     def __call__(
@@ -268,6 +271,8 @@ class EventRecord:
     grads: Mapping[str, Any] | None = None
     checkpoint_path: str | None = None
     checkpoint_future: Future[Path] | None = None
+    transition: Transition | None = None
+    cause: Event | None = None
 
     @property
     def trainer(self) -> NoReturn:
@@ -400,10 +405,47 @@ class Log:
     step: int | None = attrs.field(default=None, validator=_step)
 
 
-Request = Stop | Save | Log
+def _callable(instance: Any, attribute: Any, value: Any) -> None:
+    if not callable(value):
+        raise TypeError(f"Transition(fn={value!r}): pass a function state -> state")
+
+
+@attrs.frozen
+class Transition:
+    """A listener's request to change the training state: ``state = fn(state)``, a pure
+    function (plateau learning rates, unfreezing, EMA weights kept in ``state.extra``).
+
+    The driver applies it during ``fit`` once the event has reached every listener (after the
+    event's :class:`Stop` and :class:`Log` requests, before its :class:`Save` s, so a checkpoint
+    asked for in the same event holds the new state), then fires ``on_state_transition``. The
+    :class:`~engine.listeners.Journal` records each one (its position, the event that asked and
+    ``fn`` pickled), and :func:`engine.replay` applies them again at the same points, so resume
+    and replay stay bitwise. ``fn`` returns a new :class:`~engine.state.TrainState` of the same
+    structure and counters (a step, epoch or seed of its own is refused); it may build it with
+    ``state.replace(...)``. The state passed in is consumed.
+
+    Args:
+        fn: ``fn(state) -> state``; it must pickle (with cloudpickle) for replay.
+        name: what the journal calls it.
+
+    Example:
+        >>> import engine as eg
+        >>> class HalveOnce(eg.Listener):
+        ...     def on_train_epoch_end(self, rec):
+        ...         if rec.run.current_epoch == 0:
+        ...             return eg.Transition(
+        ...                 lambda s: s.replace(params={k: v * 0.5 for k, v in s.params.items()}),
+        ...                 name="halve")
+    """
+
+    fn: Callable[[TrainState], TrainState] = attrs.field(validator=_callable)
+    name: str = ""
+
+
+Request = Stop | Save | Log | Transition
 """What a handler may return (or a list / tuple of them, or None)."""
 
-_REQUESTS = (Stop, Save, Log)
+_REQUESTS = (Stop, Save, Log, Transition)
 
 
 @attrs.define

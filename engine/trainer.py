@@ -42,7 +42,17 @@ from engine.data import (
     seed_shuffle,
     stateful,
 )
-from engine.events import Emitter, Event, EventRecord, Log, RunView, Save, Stop, _moved
+from engine.events import (
+    Emitter,
+    Event,
+    EventRecord,
+    Log,
+    RunView,
+    Save,
+    Stop,
+    Transition,
+    _moved,
+)
 from engine.loop import Phase, schedule
 from engine.metrics import MetricReducer
 from engine.optim import clip_by_global_norm, clip_by_value
@@ -357,15 +367,19 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
         stops and logs in listener order, then the saves in listener order, so that every
         checkpoint saved in an event holds the run as the event left it (a stop asked for by a
         listener listed after the one saving included)."""
-        saves = []
+        saves, transitions = [], []
         for listener, request in requests:
             if isinstance(request, Save):
                 saves.append((listener, request))
+            elif isinstance(request, Transition):
+                transitions.append((listener, request))
             elif isinstance(request, Stop):
                 self.should_stop = True
                 self._version += 1
             elif isinstance(request, Log):
                 self.log_metrics(request.metrics, request.step)
+        for listener, request in transitions:  # before the saves: checkpoints hold their effect
+            self._transition(event, listener, request)
         if saves and event is Event.ON_SAVE_CHECKPOINT:
             raise RuntimeError(
                 f"{type(saves[0][0]).__name__}.on_save_checkpoint returned {saves[0][1]!r}: a "
@@ -374,6 +388,33 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             )
         for listener, request in saves:
             self._save_requested(listener, request)
+
+    def _transition(self, event: Event, listener: Any, request: Transition) -> None:
+        """Apply a listener's :class:`~engine.events.Transition` to the state, then announce it
+        (``on_state_transition``: the journal records it for replay)."""
+        who = f"{type(listener).__name__}.{event.value} returned {request!r}"
+        if self.stage != "fit" or event in _STEP_EVENTS or event is Event.ON_STATE_TRANSITION:
+            raise RuntimeError(
+                f"{who}: a state transition applies between the steps of a fit (not inside a "
+                "step, outside fit, or in answer to another transition)"
+            )
+        state = self._state
+        assert state is not None
+        new = request.fn(state)
+        if not isinstance(new, TrainState):
+            raise TypeError(f"{who}: its function returned {type(new).__name__}, not a TrainState")
+        counters = ("step", "epoch", "batch_idx", "micro_step", "seed")
+        changed = [c for c in counters if getattr(new, c) != getattr(state, c)]
+        if changed or new.params.keys() != state.params.keys():
+            raise ValueError(
+                f"{who}: a transition changes values, not the run's position or structure; its "
+                f"function changed {changed or 'the parameters names'}"
+            )
+        # the new state owns the tensors from here (they may be the old one's)
+        self._state = new.replace(_ownership=type(state._ownership)())
+        state._consume(f"Transition {request.name or request.fn!r}")
+        self._version += 1
+        self._emit(Event.ON_STATE_TRANSITION, transition=request, cause=event)
 
     @contextlib.contextmanager
     def _run(

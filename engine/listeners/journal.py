@@ -125,6 +125,7 @@ class Journal(Listener):
         # whether the host copy its snapshot leaves is still to be freed
         self._start: str | None = None
         self._release = False
+        self._transitions = 0
 
     # ------------------------------------------------------------------ events
 
@@ -141,6 +142,8 @@ class Journal(Listener):
         self._losses = deque(maxlen=self.every_n_steps or 1)
         self._losses_to = -1
         self._start, self._release = None, False
+        # the state transitions recorded in this run directory (a resumed fit appends)
+        self._transitions = len(list(root.glob("transition-*.pkl")))
         if run.config is not None:
             text = json.dumps(run.config.to_json(), indent=2, sort_keys=True)
             (root / CONFIG).write_text(text)
@@ -219,6 +222,37 @@ class Journal(Listener):
             host = iter(stacked.tolist())  # the one host sync of a journal line
         return [float(next(host)) if isinstance(v, torch.Tensor) else float(v) for v in kept]
 
+    def on_state_transition(self, rec: EventRecord) -> None:
+        """Record a listener's :class:`~engine.events.Transition`: a line with its position,
+        name and the event that asked for it, and its function pickled beside the journal
+        (``transition-<k>.pkl``, named in the line), which :func:`engine.replay` applies again."""
+        if self._file is None or rec.state is None or rec.transition is None:
+            return
+        assert self.dirpath is not None
+        from engine._pickling import dumps_code
+
+        index = self._transitions
+        self._transitions += 1
+        name = f"transition-{index}.pkl"
+        state = rec.state
+        line: dict[str, Any] = {
+            "step": state.step,
+            "epoch": state.epoch,
+            "batch_idx": state.batch_idx,
+            "transition": rec.transition.name,
+            "index": index,
+            "cause": rec.cause.value if rec.cause is not None else None,
+        }
+        if state.micro_step:
+            line["micro_step"] = state.micro_step
+        if self.replayable:
+            fn = rec.transition.fn
+            what = f"the state transition {rec.transition.name or fn!r}"
+            self._dump(self.dirpath / name, what, lambda: dumps_code(fn))
+            if (self.dirpath / name).is_file():
+                line["function"] = name
+        self._put(line)
+
     def on_save_checkpoint(self, rec: EventRecord) -> None:
         if self._file is None or rec.state is None:
             return
@@ -227,9 +261,14 @@ class Journal(Listener):
             return
         path = os.path.abspath(rec.checkpoint_path) if rec.checkpoint_path else True
         if rec.checkpoint_future is None:
-            self._put(self._line(rec, loss=None, fingerprint=True, checkpoint=path))
+            line = self._line(rec, loss=None, fingerprint=True, checkpoint=path)
         else:
             line = self._line(rec, loss=None, fingerprint=False, checkpoint=path)
+        if self._transitions:  # how many it holds (replay compares it after the last of them)
+            line["transitions"] = self._transitions
+        if rec.checkpoint_future is None:
+            self._put(line)
+        else:
             self._landing.append((line, rec.checkpoint_future))
 
     def teardown(self, rec: EventRecord) -> None:
