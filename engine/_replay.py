@@ -564,7 +564,13 @@ class _Transitions(Listener):
                     f"{line['step']} was not saved (its function did not pickle): this run "
                     "cannot be replayed past it"
                 )
-            fn = loads_code((root / line["function"]).read_bytes())
+            pickled = root / line["function"]
+            if not pickled.is_file():
+                raise ReplayError(
+                    f"{pickled} is missing: the journal's state transition "
+                    f"{line['transition']!r} at step {line['step']} cannot be applied again"
+                )
+            fn = loads_code(pickled.read_bytes())
             request = Transition(fn, name=line["transition"])
             key = _line_key(line)
             if "index" in line:

@@ -153,6 +153,13 @@ def test_a_replay_without_the_transitions_would_diverge(tmp_path):
     assert not report.identical and report.divergence.step == 4  # after the first nudge
 
 
+def test_a_replay_missing_a_transitions_function_says_which(tmp_path):
+    trainer, _ = fit(tmp_path)
+    (Path(trainer.run_dir) / "transition-0.pkl").unlink()
+    with pytest.raises(eg.ReplayError, match=r"transition-0\.pkl is missing: .*'nudge' at step 3"):
+        eg.replay(trainer.run_dir, 1, 18, trust_code=True)
+
+
 def test_a_transition_that_moves_the_run_or_runs_inside_a_step_is_refused(tmp_path):
     class Jump(eg.Listener):
         def on_train_epoch_end(self, rec):
