@@ -56,8 +56,9 @@ class SingleDevice(Transform):
             precision=pytree.tree_map(to, state.precision),
             _ownership=type(state._ownership)(),
         )
-        if state.module is not None:
-            state.module.to(device)  # the template: its slots are bound to the state's tensors
+        # the module template stays where it is: every call binds the state's tensors into its
+        # slots, so its own weights are never read, and moving them would keep a second copy
+        # of the model on the device
         return moved
 
     def move(self, batch: Any) -> Any:
