@@ -11,6 +11,7 @@ from torch import nn
 
 import engine as eg
 from engine import checkpoint, optim, transforms
+from engine.optim.base import tree_tensors
 from engine.transforms import Transform
 
 
@@ -236,3 +237,23 @@ def test_the_seam_carries_a_dynamic_loss_scale_exactly_as_grad_scaler_runs_it(tm
     assert ours == scales and min(scales) < 2.0**10 < max(scales)  # backed off and grew
     for name, p in model.named_parameters():
         assert torch.equal(state.params[name], p.detach()), name
+
+
+def test_single_device_moves_every_tensor_of_the_state_and_of_batches():
+    tx = optim.adam(1e-2)
+    state = eg.TrainState.create(_model(), tx, seed=2)
+    placement = transforms.SingleDevice("meta")  # a device every machine has
+    moved = placement.prepare(state)
+    leaves = [
+        *moved.params.values(),
+        *moved.buffers.values(),
+        *tree_tensors(moved.opt_state),
+    ]
+    assert leaves and all(t.device.type == "meta" for t in leaves)
+    assert all(p.requires_grad for p in moved.params.values())
+    assert moved.step == state.step and moved.seed == state.seed
+    assert all(t.device.type == "cpu" for t in state.params.values())  # the input is untouched
+    x, y = placement.move((torch.ones(2), {"y": torch.zeros(1)}))
+    assert x.device.type == "meta" and y["y"].device.type == "meta"
+    cpu = transforms.SingleDevice()
+    assert cpu.prepare(state) is state  # already there: nothing to do
