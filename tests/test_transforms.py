@@ -257,3 +257,33 @@ def test_single_device_moves_every_tensor_of_the_state_and_of_batches():
     assert x.device.type == "meta" and y["y"].device.type == "meta"
     cpu = transforms.SingleDevice()
     assert cpu.prepare(state) is state  # already there: nothing to do
+
+
+@pytest.mark.slow
+def test_a_compiled_custom_loop_equals_the_trainers_compiled_flags_bitwise():
+    tx = optim.adamw(1e-2)
+    task = eg.Task(_loss, tx)
+
+    def model() -> nn.Module:  # no dropout: eager and compiled draw different masks
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    trainer = eg.Trainer(
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        compile=True,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        enable_journal=False,
+    )
+    by_flags = trainer.fit(task, task.init(model(), seed=3), _data())
+    pipeline = transforms.compose(accumulate=2, compile=True)
+    state = pipeline.prepare(eg.TrainState.create(model(), tx, seed=3))
+    step = pipeline.train_step(_loss, tx)
+    data = _data()
+    for i, batch in enumerate(data):
+        state, _ = step(state, pipeline.move(batch), flush=i == len(data) - 1)
+    state = state.replace(epoch=1, batch_idx=0)
+    assert state.fingerprint() == by_flags.fingerprint()
