@@ -150,6 +150,12 @@ def test_compose_refuses_what_is_not_a_transform():
         transforms.compose(accumulate=0)
     with pytest.raises(TypeError, match="stateless"):
         transforms.compose(clip=optim.adam(1e-3))
+    with pytest.raises(TypeError, match=r"compose\(compile='yes'\)"):
+        transforms.compose(compile="yes")
+    with pytest.raises(TypeError, match=r"Observe\(after_backward=5\)"):
+        transforms.Observe(after_backward=5)
+    with pytest.raises(ValueError, match=r"SingleDevice\('gpu0'\): not a device"):
+        transforms.SingleDevice("gpu0")
 
 
 # ------------------------------------------- the seam carries a dynamic loss scale (issue 11)

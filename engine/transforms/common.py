@@ -33,7 +33,13 @@ class SingleDevice(Transform):
     """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(
+                f"SingleDevice({device!r}): not a device torch knows ({e}); pass e.g. 'cpu', "
+                "'cuda', 'cuda:1' or 'mps'"
+            ) from None
 
     def prepare(self, state: TrainState) -> TrainState:
         device = self.device

@@ -55,6 +55,13 @@ class Observe(Transform):
         after_backward: Callable[[tuple[Tensor, ...]], Any] | None = None,
         before_optimizer_step: Callable[[Mapping[str, Tensor]], Any] | None = None,
     ) -> None:
+        for name, fn in (
+            ("before_backward", before_backward),
+            ("after_backward", after_backward),
+            ("before_optimizer_step", before_optimizer_step),
+        ):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"Observe({name}={fn!r}): pass a function or None")
         self.before_backward = before_backward
         self.after_backward = after_backward
         self.before_optimizer_step = before_optimizer_step
