@@ -1,7 +1,9 @@
 """The Trainer's checkpointing: save, resolve and restore checkpoints; carry out the listeners'
 :class:`~engine.events.Save` requests; stop cleanly on signals.
 
-A mixin of :class:`engine.trainer.Trainer`, kept apart so the driver's loop reads on its own.
+A mixin of :class:`engine.trainer.Trainer`. It reads the loop's position only from the
+Trainer's record of the last ``state`` / ``progress`` the fit loop (:mod:`engine.loop.fit`)
+handed it; the loop itself lives in ``engine/loop/fit.py``.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine import checkpoint, data
+import attrs
+
+from engine import checkpoint
 from engine.events import Event, Save
-from engine.loop import LoopConfig, Phase
+from engine.loop import LoopConfig
+from engine.loop.progress import Progress
 from engine.metrics import MetricReducer
 from engine.state import TrainState
 
@@ -41,34 +46,18 @@ class CheckpointingMixin:
     callback_metrics: dict[str, float]
     logged_metrics: dict[str, float]
     progress_bar_metrics: dict[str, float]
-    should_stop: bool
     _version: int
-    num_training_batches: float
-    num_val_batches: list[float]
     ckpt_path: str | None
+    # the last state and loop progress the fit loop handed the Trainer (engine.loop.fit)
     _state: TrainState | None
-    _total_batch_idx: int
-    _reducer: MetricReducer | None
-    _restored_reducer: MetricReducer | None
-    _phase: Phase
-    _resume_phase: Phase | None
+    _progress: Progress
     _emitter: Any
     _in_flight: list[tuple[Future[Any], tuple[str, ...]]]
-    _data_position: Any
-    _resume_data_state: Any
     _signal: int | None
 
     if TYPE_CHECKING:  # the Trainer's methods this mixin calls
 
         def _emit(self, event: Event, **fields: Any) -> None: ...
-
-        def _validates_after(self, batch_idx: int, is_last: bool) -> bool: ...
-
-        def _reload_val_loaders(self, val_loaders: list[Any], dm: Any) -> list[Any]: ...
-
-        def _evaluate(
-            self, kind: str, step: Any, loaders: list[Any], limits: Any, *, log: bool
-        ) -> list[dict[str, float]]: ...
 
         @property
         def global_step(self) -> int: ...
@@ -162,29 +151,22 @@ class CheckpointingMixin:
             state = listener.state_dict()
             if state:
                 listeners[key] = state
+        progress = self._progress
         extra = {
             "listeners": listeners,
             "trainer": {
-                "total_batch_idx": self._total_batch_idx,
+                **progress.to_json(),  # the loop's position: total_batch_idx, phase, ...
                 "stage": self.stage,
-                # where in the loop the save happened, so a resume completes that batch (a
-                # listener's save comes after its event has reached every listener)
-                "phase": self._phase.value,
-                # what listeners have seen so far, and whether one asked to stop
+                # what listeners have seen so far
                 "callback_metrics": _finite_or_str(self.callback_metrics),
                 "logged_metrics": _finite_or_str(self.logged_metrics),
                 "progress_bar_metrics": _finite_or_str(self.progress_bar_metrics),
-                "should_stop": self.should_stop,
                 # breaks ties between checkpoints of one step for ckpt_path="last"
                 "saved_at_ns": time.time_ns(),
-                # a stateful loader's position after the last batch consumed
-                "data_state": None
-                if self._data_position is None
-                else data.state_to_json(self._data_position),
             },
             "config": self.config.to_json(),  # the flags the run was made with
             # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
-            "train_metrics": self._reducer.state_dict() if self._reducer is not None else None,
+            "train_metrics": None if progress.reducer is None else progress.reducer.state_dict(),
         }
         metrics = dict(self.callback_metrics) if metrics is None else metrics
         if asynchronous:  # its fingerprint is hashed from the snapshot, off the loop (journal)
@@ -282,25 +264,25 @@ class CheckpointingMixin:
                 listener.load_state_dict(saved[key])
         extra = meta.get("extra", {})
         saved_loop = extra.get("trainer", {})
-        total = saved_loop.get("total_batch_idx", 0)
-        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
-            raise TypeError(f"trainer.total_batch_idx must be an int >= 0, got {total!r}")
-        self._total_batch_idx = total
-        if self.stage == "fit":  # the run continues: what its listeners had seen, they see
-            for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
-                if name in saved_loop:
-                    setattr(self, name, {k: float(v) for k, v in saved_loop[name].items()})
-            self._version += 1
-            self.should_stop = bool(saved_loop.get("should_stop", False))
-        data_state = saved_loop.get("data_state")
-        self._resume_data_state = None if data_state is None else data.state_from_json(data_state)
-        phase = Phase.parse(saved_loop.get("phase"))
-        if "event" in saved_loop:  # written by an engine before requests: see _older_phase
-            phase = _older_phase(phase, saved_loop["event"])
-        self._resume_phase = None if phase is Phase.BETWEEN else phase
+        restored = Progress.from_checkpoint(saved_loop)
+        now = self._progress
+        if self.stage != "fit":  # nothing continues: only the checks above matter
+            return
+        # the run continues: what its listeners had seen, they see
+        for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
+            if name in saved_loop:
+                setattr(self, name, {k: float(v) for k, v in saved_loop[name].items()})
+        self._version += 1
+        reducer = now.reducer
         if extra.get("train_metrics") and self.task is not None:
-            self._restored_reducer = MetricReducer(self.task.reduce)
-            self._restored_reducer.load_state_dict(extra["train_metrics"])
+            reducer = MetricReducer(self.task.reduce)
+            reducer.load_state_dict(extra["train_metrics"])
+        self._progress = attrs.evolve(
+            restored,
+            num_training_batches=now.num_training_batches,
+            val_check_batch=now.val_check_batch,
+            reducer=reducer,
+        )
 
     @contextlib.contextmanager
     def _catch_signals(self) -> Iterator[None]:
@@ -354,35 +336,6 @@ class CheckpointingMixin:
             file=sys.stderr,
         )
 
-    def _finish_resumed_batch(
-        self, skip: int, validate_this_epoch: bool, evaluate: Any, val_loaders: list[Any], dm: Any
-    ) -> None:
-        """Complete what the batch a checkpoint was saved in still had to do.
-
-        A listener's save comes after its event has reached every listener, so what is left is
-        what the loop does after that event. Saved in ``on_train_batch_end``: the batch's
-        validation check runs. Saved during a validation before its results were logged: that
-        validation runs again (it is pure: same results). Saved in ``on_validation_epoch_end``:
-        ``on_validation_end`` follows; saved in ``on_validation_end``: nothing. In each case the
-        batch is then counted.
-        """
-        phase, self._resume_phase = self._resume_phase or Phase.BETWEEN, None
-        self._phase = phase
-        if phase is Phase.BATCH_END:
-            last = skip >= self.num_training_batches
-            if skip and validate_this_epoch and self._validates_after(skip - 1, last):
-                phase = Phase.VALIDATION
-        if phase is Phase.VALIDATION and skip:
-            self._phase = Phase.VALIDATION
-            val_loaders = self._reload_val_loaders(val_loaders, dm)
-            self._evaluate("validation", evaluate, val_loaders, self.num_val_batches, log=True)
-        if phase is Phase.VALIDATED:
-            self._phase = Phase.VALIDATION_END
-            self._emit(Event.ON_VALIDATION_END)
-        if phase.mid_batch:
-            self._total_batch_idx += 1
-        self._phase = Phase.BETWEEN
-
     # ------------------------------------------------------------------ requested saves
 
     def _save_requested(self, listener: Any, request: Save) -> None:
@@ -419,29 +372,6 @@ class CheckpointingMixin:
                 continue
             for path in doomed:
                 checkpoint.remove(path)
-
-
-def _older_phase(phase: Phase, event: Any) -> Phase:
-    """The phase of a checkpoint from an engine before requests, which recorded beside it the
-    event a listener saved in (``[event, [keys of the listeners yet to have it]]``, or null).
-
-    Those listeners are not called on resume (a save now comes after every listener had the
-    event); the event tells the two ends of a validation apart, which the phase now does:
-    saved in ``on_validation_epoch_end``, ``on_validation_end`` is still to come.
-    """
-    if event is None:
-        return Phase.VALIDATION_END if phase is Phase.VALIDATED else phase
-    if (
-        not isinstance(event, list)
-        or len(event) != 2
-        or not isinstance(event[0], str)
-        or not isinstance(event[1], list)
-    ):
-        raise TypeError(f"trainer.event must be null or [event, [listener keys]], got {event!r}")
-    saved_in = Event(event[0])
-    if phase is Phase.VALIDATED and saved_in is not Event.ON_VALIDATION_EPOCH_END:
-        return Phase.VALIDATION_END
-    return phase
 
 
 def _recency(path: Path) -> tuple[int, int, float]:

@@ -13,7 +13,6 @@ runs the same configurations through Lightning itself.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,6 +21,7 @@ from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
 
+import attrs
 import torch
 
 from engine import checkpoint, loop, transforms
@@ -34,13 +34,8 @@ from engine.data import (
     limit_batches,
     lookahead,
     order_outside_the_state,
-    position_loader,
     randomness_outside_the_state,
     resolve_loaders,
-    restore_loader,
-    seed_batches,
-    seed_shuffle,
-    stateful,
 )
 from engine.events import (
     Emitter,
@@ -53,7 +48,9 @@ from engine.events import (
     Transition,
     _moved,
 )
-from engine.loop import Phase, schedule
+from engine.loop import Phase
+from engine.loop.fit import fit as fit_loop
+from engine.loop.progress import Progress
 from engine.metrics import MetricReducer
 from engine.optim import clip_by_global_norm, clip_by_value
 from engine.state import TrainState
@@ -151,15 +148,16 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
 
         # -- run state (host side)
         self.task: Task | None = None
+        # the facade's record of the last state and progress the fit loop (engine.loop.fit)
+        # handed it, for the listeners' view, `trainer.state` and checkpoints; the loop itself
+        # keeps its own as locals and never reads these
         self._state: TrainState | None = None
-        self.should_stop = False
+        self._progress = Progress()
         self.stage: str | None = None
         self.sanity_checking = False
-        self.num_training_batches: float = 0
         self.num_val_batches: list[float] = []
         self.num_test_batches: list[float] = []
         self.num_predict_batches: list[float] = []
-        self.val_check_batch: float = math.inf
         self._val_loaded_at: int | None = None  # the epoch the val loaders were last fetched
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
@@ -174,19 +172,11 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
         # asynchronous saves requested by listeners, with the checkpoints each replaces
         self._in_flight: list[tuple[Future[Any], tuple[str, ...]]] = []
         self.profile: dict[str, list[float]] = {}
-        self._total_batch_idx = 0  # training batches across epochs (val_check_interval's count)
         self._signal: int | None = None  # SIGTERM / SIGINT received during fit
-        self._reducer: MetricReducer | None = None  # the current epoch's training metrics
-        self._restored_reducer: MetricReducer | None = None
         self.ckpt_path: str | None = None  # the checkpoint the current run resumed from
         self.train_dataloader: Any = None  # what fit() trains on (Lightning's attribute)
         self.datamodule: Any = None  # the datamodule fit() was given, if any
-        self._phase = Phase.BETWEEN  # where the fit loop is (saved with checkpoints)
-        self._resume_phase: Phase | None = None  # the phase a restored checkpoint was saved in
         self._emitter = Emitter(())  # rebuilt from the listeners by each run
-        self._data_position: Any = None  # a stateful loader's state after the current batch
-        self._positioned: list[Any] = []  # training loaders the fit seeded or positioned
-        self._resume_data_state: Any = None  # ... as a restored checkpoint recorded it
         self._transforms = transforms.compose()  # the run's step transforms (_pipeline)
 
     # ------------------------------------------------------------------ construction helpers
@@ -243,6 +233,16 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
     def state(self) -> TrainState | None:
         """The latest state of the current or last run."""
         return self._state
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether a listener asked the current or last fit to stop (``engine.Stop``)."""
+        return self._progress.should_stop
+
+    @property
+    def num_training_batches(self) -> float:
+        """Training batches per epoch after ``limit_train_batches`` (the current epoch's)."""
+        return self._progress.num_training_batches
 
     @property
     def global_step(self) -> int:
@@ -309,11 +309,11 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             sanity_checking=self.sanity_checking,
             global_step=self.global_step,
             current_epoch=self.current_epoch,
-            num_training_batches=self.num_training_batches,
+            num_training_batches=self._progress.num_training_batches,
             num_val_batches=self.num_val_batches,
             num_test_batches=self.num_test_batches,
             num_predict_batches=self.num_predict_batches,
-            should_stop=self.should_stop,
+            should_stop=self._progress.should_stop,
             config=self.config,
             callback_metrics=callback,
             logged_metrics=logged,
@@ -374,7 +374,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             elif isinstance(request, Transition):
                 transitions.append((listener, request))
             elif isinstance(request, Stop):
-                self.should_stop = True
+                self._progress = attrs.evolve(self._progress, should_stop=True)
                 self._version += 1
             elif isinstance(request, Log):
                 self.log_metrics(request.metrics, request.step)
@@ -429,7 +429,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             )
         state.check_alive(f"Trainer.{stage}()")
         self.task, self._state, self.stage = task, state, stage
-        self.should_stop = False
+        self._progress = attrs.evolve(self._progress, should_stop=False)
         self.ckpt_path = None  # set by _restore when this run resumes from a checkpoint
         self._emitter = Emitter(self.callbacks)
         stack = contextlib.ExitStack()
@@ -530,16 +530,17 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
                 "in engine.data.SeededDataset(dataset, seed=...) to seed each sample",
                 stacklevel=2,
             )
-        self._total_batch_idx = 0  # a checkpoint, if given, restores these
-        self._phase, self._resume_phase = Phase.BETWEEN, None
-        self._data_position = self._resume_data_state = None
-        self._positioned = []
+        self._progress = attrs.evolve(  # a checkpoint, if given, restores these
+            self._progress,
+            total_batch_idx=0,
+            phase=Phase.BETWEEN,
+            resume_phase=None,
+            data_position=None,
+            resume_data_state=None,
+            reducer=None,
+        )
         with self._run("fit", task, state, ckpt_path):
-            try:
-                self._fit(task, train_loaders[0], val_loaders, datamodule)
-            finally:
-                for loader in self._positioned:  # as the user made them (reloaded ones too)
-                    restore_loader(loader)
+            self._fit(task, train_loaders[0], val_loaders, datamodule)
         assert self._state is not None
         if self._signal is not None:  # after the last epoch's end: nothing was left to stop
             self._report_late_signal()
@@ -636,150 +637,19 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             self.sanity_checking = False
             self._val_loaded_at = self.current_epoch
 
-        self._emit(Event.ON_TRAIN_START)
-        reducer = self._reducer = self._restored_reducer or MetricReducer(task.reduce)
-        self._restored_reducer = None
-        track = not self.barebones  # barebones: no metric bookkeeping at all
-        last_reload = None
-
-        def mid_epoch() -> bool:
-            assert self._state is not None
-            return self._resume_phase is not None or self._state.batch_idx > 0
-
-        # a run resumed mid-epoch finishes that epoch even if a listener had asked to stop, as
-        # the run that never stopped did
-        while mid_epoch() or not self._fit_done():
-            epoch = self.current_epoch
-            assert self._state is not None
-            if self._resume_phase is Phase.EPOCH_END:
-                # saved at the end of the epoch: its end (logging, events) has happened
-                self._resume_phase = None
-                reducer.reset()
-                self._state = self._state.replace(epoch=epoch + 1, batch_idx=0)
-                continue
-            if (
-                self.reload_dataloaders_every_n_epochs
-                and dm is not None
-                and (
-                    last_reload is not None
-                    and epoch - last_reload >= self.reload_dataloaders_every_n_epochs
-                )
-            ):
-                train_loader = resolve_loaders("fit", None, dm, "train_dataloader")[0]
-                last_reload = epoch
-            last_reload = epoch if last_reload is None else last_reload
-            self.num_training_batches = limit_batches(
-                "train", count_batches(train_loader), self.limit_train_batches
-            )
-            if self.num_training_batches == 0:
-                break
-            self.val_check_batch = schedule.val_check_batch(
-                self.config, self.num_training_batches, enable_validation
-            )
-            validate_this_epoch = schedule.validates_this_epoch(
-                self.config, epoch, enable_validation
-            )
-            self._emit(Event.ON_TRAIN_EPOCH_START)
-            assert self._state is not None
-            skip, offset = self._position(train_loader, epoch)
-            if self._resume_phase is not None:
-                self._finish_resumed_batch(skip, validate_this_epoch, evaluate, val_loaders, dm)
-            batches = 0 if self._epoch_done() else self.num_training_batches - offset
-            val_loaders = self._train_batches(
-                train_loader,
-                batches,
-                skip,
-                offset,
-                step,
-                evaluate,
-                val_loaders,
-                dm,
-                validate_this_epoch,
-            )
-            if track:
-                epoch_metrics = {f"train/{k}_epoch": v for k, v in reducer.compute().items()}
-                reducer.reset()
-                self.log_metrics(epoch_metrics)
-                self._update_prog_bar(epoch_metrics)
-            self._phase = Phase.EPOCH_END
-            self._emit(Event.ON_TRAIN_EPOCH_END)
-            self._state = self._state.replace(epoch=epoch + 1, batch_idx=0)
-            self._phase = Phase.BETWEEN
-            if self._signal is not None:  # it came during the epoch's end (its checkpoint)
-                self._stop_for_signal()
-        self._emit(Event.ON_TRAIN_END)
-        self._emit(Event.ON_FIT_END)
-
-    def _position(self, train_loader: Any, epoch: int) -> tuple[int, int]:
-        """Point the loader at ``epoch``; returns ``(skip, offset)``: the batches the state has
-        consumed in it, and how many of those the loader skips without loading them (a state
-        saved mid-epoch resumes there; the rest are fetched and dropped)."""
-        assert self._state is not None
-        skip = self._state.batch_idx
-        if not any(x is train_loader for x in self._positioned):
-            self._positioned.append(train_loader)
-        seed_shuffle(train_loader, self._state.seed, epoch)  # shuffle=True: order from the state
-        seed_batches(train_loader, self._state.seed, epoch)  # augmentation: from the state too
-        offset = skip if position_loader(train_loader, epoch, skip) else 0
-        restored, self._resume_data_state = self._resume_data_state, None
-        if skip and not offset and restored is not None and stateful(train_loader):
-            train_loader.load_state_dict(restored)  # it continues where it was saved
-            offset = skip
-        if skip and not offset:
-            warnings.warn(
-                f"resuming mid-epoch by loading and dropping {skip} batches; a DataLoader over "
-                "a map-style dataset (with a batch_size) skips them without loading, and so "
-                "does a loader with state_dict()/load_state_dict() (torchdata's "
-                "StatefulDataLoader)",
-                stacklevel=4,
-            )
-        return skip, offset
-
-    def _train_batches(
-        self,
-        train_loader: Any,
-        batches: float,
-        skip: int,
-        offset: int,
-        step: Any,
-        evaluate: Any,
-        val_loaders: list[Any],
-        dm: Any,
-        validate_this_epoch: bool,
-    ) -> list[Any]:
-        """The epoch's training batches, each with its validation check; returns the
-        validation loaders (reloaded on Lightning's schedule)."""
-        reducer, track = self._reducer, not self.barebones
-        snapshot = train_loader.state_dict if stateful(train_loader) else None
-        for i, batch, is_last, position in lookahead(train_loader, batches, snapshot=snapshot):
-            batch_idx = i + offset
-            if batch_idx < skip:
-                continue
-            batch = self._transforms.move(batch)  # on the device, as listeners see it too
-            self._data_position = position
-            self._emit_batch(Event.ON_TRAIN_BATCH_START, batch=batch, batch_idx=batch_idx)
-            steps = is_last or (batch_idx + 1) % self.accumulate_grad_batches == 0
-            self._state, metrics = step(self._state, batch, flush=is_last)
-            if track:
-                assert reducer is not None
-                reducer.update(metrics, batch_size(batch))
-                if steps and self._state.step % self.log_every_n_steps == 0:
-                    self._log_step(metrics)
-            self._phase = Phase.BATCH_END  # a checkpoint saved now still validates on resume
-            self._emit_batch(
-                Event.ON_TRAIN_BATCH_END, outputs=metrics, batch=batch, batch_idx=batch_idx
-            )
-            if validate_this_epoch and self._validates_after(batch_idx, is_last):
-                self._phase = Phase.VALIDATION
-                val_loaders = self._reload_val_loaders(val_loaders, dm)
-                self._evaluate("validation", evaluate, val_loaders, self.num_val_batches, log=True)
-            self._total_batch_idx += 1
-            self._phase = Phase.BETWEEN
-            if self._signal is not None:
-                self._stop_for_signal()
-            if self._epoch_done():
-                break
-        return val_loaders
+        progress = self._progress
+        if progress.reducer is None:  # else restored by a resume
+            progress = attrs.evolve(progress, reducer=MetricReducer(task.reduce))
+        run = _FitRun(self, step, evaluate, val_loaders, dm)
+        self._state, self._progress = fit_loop(
+            self.config,
+            run,
+            self._state,
+            progress,
+            train_loader=train_loader,
+            datamodule=dm,
+            enable_validation=enable_validation,
+        )
 
     def _reload_val_loaders(self, val_loaders: list[Any], dm: Any) -> list[Any]:
         """Lightning's reload_dataloaders_every_n_epochs for validation: the loaders are fetched
@@ -797,45 +667,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             self._val_loaded_at = epoch
         return val_loaders
 
-    # ------------------------------------------------------------------ schedule (engine.loop)
-
-    def _validates_after(self, batch_idx: int, is_last: bool) -> bool:
-        """Whether validation runs after this training batch, in an epoch that validates."""
-        return schedule.should_validate(
-            self.config,
-            val_check_batch=self.val_check_batch,
-            batch_idx=batch_idx,
-            total_batch_idx=self._total_batch_idx,
-            is_last=is_last,
-            should_stop=self.should_stop,
-            epoch=self.current_epoch,
-            global_step=self.global_step,
-        )
-
-    def _epoch_done(self) -> bool:
-        return schedule.epoch_done(
-            self.config,
-            global_step=self.global_step,
-            should_stop=self.should_stop,
-            epoch=self.current_epoch,
-        )
-
-    def _fit_done(self) -> bool:
-        return schedule.fit_done(
-            self.config,
-            epoch=self.current_epoch,
-            global_step=self.global_step,
-            should_stop=self.should_stop,
-        )
-
     # ------------------------------------------------------------------ metrics
-
-    def _log_step(self, metrics: Mapping[str, torch.Tensor]) -> None:
-        keys = list(metrics)
-        values = torch.stack([metrics[k].detach().float().mean() for k in keys]).tolist()
-        host = {f"train/{k}": v for k, v in zip(keys, values, strict=True)}
-        self.log_metrics(host)
-        self._update_prog_bar(host)
 
     def _update_prog_bar(self, metrics: Mapping[str, float]) -> None:
         assert self.task is not None
@@ -887,11 +719,12 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             merged = {k: v for r in results for k, v in r.items()}
             self.log_metrics(merged)
             self._update_prog_bar(merged)
-        if self._phase is Phase.VALIDATION:  # fit's validation has its results: a resume keeps them
-            self._phase = Phase.VALIDATED
+        if self._progress.phase is Phase.VALIDATION:
+            # fit's validation has its results: a resume keeps them
+            self._progress = attrs.evolve(self._progress, phase=Phase.VALIDATED)
         self._emit(ev["epoch_end"])
-        if self._phase is Phase.VALIDATED:  # ... and its epoch end has been dispatched
-            self._phase = Phase.VALIDATION_END
+        if self._progress.phase is Phase.VALIDATED:  # ... and its epoch end has been dispatched
+            self._progress = attrs.evolve(self._progress, phase=Phase.VALIDATION_END)
         self._emit(ev["end"])
         return results
 
@@ -1015,6 +848,63 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
         if not keep:
             return None
         return outputs[0] if len(outputs) == 1 else outputs
+
+
+class _FitRun:
+    """The Trainer's services to one fit loop (:class:`engine.loop.fit.FitServices`): each call
+    records the state and progress the loop hands over (``trainer._state`` /
+    ``trainer._progress``: the listeners' view, ``trainer.state`` and checkpoints read them)
+    and returns them as the listeners' requests left them."""
+
+    def __init__(
+        self, trainer: Trainer, step: Any, evaluate: Any, val_loaders: list[Any], dm: Any
+    ) -> None:
+        self.trainer, self.train_step, self.evaluate = trainer, step, evaluate
+        self.val_loaders, self.dm = val_loaders, dm
+        self.move = trainer._transforms.move
+
+    def emit(
+        self, event: Event, state: TrainState, progress: Progress, **fields: Any
+    ) -> tuple[TrainState, Progress]:
+        t = self.trainer
+        t._state, t._progress = state, progress
+        t._emit(event, **fields)
+        return t._state, t._progress
+
+    def emit_batch(
+        self, event: Event, state: TrainState, progress: Progress, **fields: Any
+    ) -> tuple[TrainState, Progress]:
+        t = self.trainer
+        t._state, t._progress = state, progress
+        t._emit_batch(event, **fields)
+        return t._state, t._progress
+
+    def step(
+        self, state: TrainState, progress: Progress, batch: Any, *, flush: bool
+    ) -> tuple[TrainState, Progress, Mapping[str, torch.Tensor]]:
+        t = self.trainer
+        t._state, t._progress = state, progress  # the step's own events see the state it takes
+        t._state, metrics = self.train_step(state, batch, flush=flush)
+        return t._state, t._progress, metrics
+
+    def log(self, state: TrainState, metrics: Mapping[str, float]) -> None:
+        t = self.trainer
+        t._state = state
+        t.log_metrics(metrics)
+        t._update_prog_bar(metrics)
+
+    def validate(self, state: TrainState, progress: Progress) -> tuple[TrainState, Progress]:
+        t = self.trainer
+        t._state, t._progress = state, progress
+        self.val_loaders = t._reload_val_loaders(self.val_loaders, self.dm)
+        t._evaluate("validation", self.evaluate, self.val_loaders, t.num_val_batches, log=True)
+        return t._state, t._progress
+
+    def check_signal(self, state: TrainState, progress: Progress) -> None:
+        t = self.trainer
+        if t._signal is not None:
+            t._state, t._progress = state, progress
+            t._stop_for_signal()
 
 
 def _check_custom_step(trainer: Trainer) -> None:

@@ -1,0 +1,302 @@
+"""The fit loop: one function, :func:`fit`, a fold over local ``state`` and ``progress`` values.
+
+It reads top to bottom: epochs → position the loader → batches → step → batch events →
+validation on the schedule → signal check → stop checks → epoch end. It reads the frozen
+:class:`~engine.loop.LoopConfig` and the pure predicates of :mod:`engine.loop.schedule`, and
+reaches the Trainer only through :class:`FitServices`: each service is handed the current
+``state`` and :class:`~engine.loop.progress.Progress` and returns the next ones (a listener's
+:class:`~engine.events.Stop` changes the progress, a :class:`~engine.events.Transition` the
+state). Nothing here reads or writes an attribute of the Trainer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from engine.data import (
+    batch_size,
+    count_batches,
+    limit_batches,
+    lookahead,
+    position_loader,
+    resolve_loaders,
+    restore_loader,
+    seed_batches,
+    seed_shuffle,
+    stateful,
+)
+from engine.events import Event
+from engine.loop import schedule
+from engine.loop.config import LoopConfig
+from engine.loop.progress import Phase, Progress
+from engine.state import TrainState
+
+__all__ = ["FitServices", "fit"]
+
+
+class FitServices(Protocol):
+    """What the fit loop asks of the Trainer. Each call hands over the loop's current values
+    (the Trainer keeps them as its record of the run, for the listeners' view,
+    ``trainer.state`` and checkpoints) and returns the ones the loop continues with."""
+
+    def emit(
+        self, event: Event, state: TrainState, progress: Progress, **fields: Any
+    ) -> tuple[TrainState, Progress]:
+        """``event`` between batches, with the listeners' requests carried out."""
+        ...
+
+    def emit_batch(
+        self, event: Event, state: TrainState, progress: Progress, **fields: Any
+    ) -> tuple[TrainState, Progress]:
+        """A batch event (the hot path)."""
+        ...
+
+    def move(self, batch: Any) -> Any:
+        """The batch on the step's device, as the listeners see it too."""
+        ...
+
+    def step(
+        self, state: TrainState, progress: Progress, batch: Any, *, flush: bool
+    ) -> tuple[TrainState, Progress, Mapping[str, torch.Tensor]]:
+        """The train step (its own events may ask to stop); returns its metrics too."""
+        ...
+
+    def log(self, state: TrainState, metrics: Mapping[str, float]) -> None:
+        """Host-side training metrics to the loggers and the progress bar."""
+        ...
+
+    def validate(self, state: TrainState, progress: Progress) -> tuple[TrainState, Progress]:
+        """A validation run, in phase ``VALIDATION`` (the loaders reloaded on schedule)."""
+        ...
+
+    def check_signal(self, state: TrainState, progress: Progress) -> None:
+        """If SIGTERM / SIGINT came: save an interrupted checkpoint and exit (raises)."""
+        ...
+
+
+def fit(
+    config: LoopConfig,
+    run: FitServices,
+    state: TrainState,
+    progress: Progress,
+    *,
+    train_loader: Any,
+    datamodule: Any,
+    enable_validation: bool,
+) -> tuple[TrainState, Progress]:
+    """Train from ``on_train_start`` to ``on_fit_end``; returns the final state and progress.
+
+    ``progress.reducer`` is the epoch's metric reduction (restored by a resume). A state saved
+    mid-epoch (``state.batch_idx > 0`` or ``progress.resume_phase``) finishes that epoch even if
+    a listener had asked to stop, as the run that never stopped did. The training loaders this
+    positions are restored as the user made them when it returns or raises.
+    """
+    reducer, track = progress.reducer, not config.barebones  # barebones: no metrics at all
+    evolve = attrs.evolve
+    positioned: list[Any] = []
+    last_reload: int | None = None
+    try:
+        state, progress = run.emit(Event.ON_TRAIN_START, state, progress)
+        while (
+            progress.resume_phase is not None
+            or state.batch_idx > 0
+            or not schedule.fit_done(
+                config, epoch=state.epoch, global_step=state.step, should_stop=progress.should_stop
+            )
+        ):
+            epoch = state.epoch
+            if progress.resume_phase is Phase.EPOCH_END:
+                # saved at the end of the epoch: its end (logging, events) has happened
+                progress = evolve(progress, resume_phase=None)
+                reducer.reset()
+                state = state.replace(epoch=epoch + 1, batch_idx=0)
+                continue
+            if last_reload is None:
+                last_reload = epoch
+            elif _reloads(config, datamodule, epoch - last_reload):
+                train_loader = resolve_loaders("fit", None, datamodule, "train_dataloader")[0]
+                last_reload = epoch
+            batches = limit_batches(
+                "train", count_batches(train_loader), config.limit_train_batches
+            )
+            if batches == 0:
+                break
+            progress = evolve(
+                progress,
+                num_training_batches=batches,
+                val_check_batch=schedule.val_check_batch(config, batches, enable_validation),
+            )
+            validate_this_epoch = schedule.validates_this_epoch(config, epoch, enable_validation)
+            state, progress = run.emit(Event.ON_TRAIN_EPOCH_START, state, progress)
+
+            # position the loader at the state's batch of this epoch
+            if not any(x is train_loader for x in positioned):
+                positioned.append(train_loader)
+            skip, offset = position(train_loader, state, epoch, progress.resume_data_state)
+            progress = evolve(progress, resume_data_state=None)
+            if progress.resume_phase is not None:
+                state, progress = _finish_resumed_batch(
+                    config, run, state, progress, skip, validate_this_epoch
+                )
+            if _epoch_done(config, state, progress):
+                batches = 0
+            else:
+                batches -= offset
+
+            # the batches, each with its validation check
+            snapshot = train_loader.state_dict if stateful(train_loader) else None
+            for i, batch, is_last, data_position in lookahead(
+                train_loader, batches, snapshot=snapshot
+            ):
+                batch_idx = i + offset
+                if batch_idx < skip:
+                    continue
+                batch = run.move(batch)
+                progress = evolve(progress, data_position=data_position)
+                state, progress = run.emit_batch(
+                    Event.ON_TRAIN_BATCH_START, state, progress, batch=batch, batch_idx=batch_idx
+                )
+                steps = is_last or (batch_idx + 1) % config.accumulate_grad_batches == 0
+                state, progress, metrics = run.step(state, progress, batch, flush=is_last)
+                if track:
+                    reducer.update(metrics, batch_size(batch))
+                    if steps and state.step % config.log_every_n_steps == 0:
+                        run.log(state, _host(metrics))
+                # a checkpoint saved from now on still validates on resume
+                progress = evolve(progress, phase=Phase.BATCH_END)
+                state, progress = run.emit_batch(
+                    Event.ON_TRAIN_BATCH_END,
+                    state,
+                    progress,
+                    outputs=metrics,
+                    batch=batch,
+                    batch_idx=batch_idx,
+                )
+                if validate_this_epoch and _validates_after(
+                    config, state, progress, batch_idx, is_last
+                ):
+                    progress = evolve(progress, phase=Phase.VALIDATION)
+                    state, progress = run.validate(state, progress)
+                progress = evolve(
+                    progress, total_batch_idx=progress.total_batch_idx + 1, phase=Phase.BETWEEN
+                )
+                run.check_signal(state, progress)
+                if _epoch_done(config, state, progress):
+                    break
+
+            # the epoch's end
+            if track:
+                epoch_metrics = {f"train/{k}_epoch": v for k, v in reducer.compute().items()}
+                reducer.reset()
+                run.log(state, epoch_metrics)
+            progress = evolve(progress, phase=Phase.EPOCH_END)
+            state, progress = run.emit(Event.ON_TRAIN_EPOCH_END, state, progress)
+            state = state.replace(epoch=epoch + 1, batch_idx=0)
+            progress = evolve(progress, phase=Phase.BETWEEN)
+            run.check_signal(state, progress)  # one that came during the epoch's end
+        state, progress = run.emit(Event.ON_TRAIN_END, state, progress)
+        state, progress = run.emit(Event.ON_FIT_END, state, progress)
+    finally:
+        for loader in positioned:  # as the user made them (reloaded ones too)
+            restore_loader(loader)
+    return state, progress
+
+
+def _finish_resumed_batch(
+    config: LoopConfig,
+    run: FitServices,
+    state: TrainState,
+    progress: Progress,
+    skip: int,
+    validate_this_epoch: bool,
+) -> tuple[TrainState, Progress]:
+    """Complete what the batch a checkpoint was saved in still had to do.
+
+    A listener's save comes after its event has reached every listener, so what is left is
+    what the loop does after that event. Saved in ``on_train_batch_end``: the batch's
+    validation check runs. Saved during a validation before its results were logged: that
+    validation runs again (it is pure: same results). Saved in ``on_validation_epoch_end``:
+    ``on_validation_end`` follows; saved in ``on_validation_end``: nothing. In each case the
+    batch is then counted.
+    """
+    phase = progress.resume_phase or Phase.BETWEEN
+    progress = attrs.evolve(progress, resume_phase=None, phase=phase)
+    if phase is Phase.BATCH_END:
+        last = skip >= progress.num_training_batches
+        if (
+            skip
+            and validate_this_epoch
+            and _validates_after(config, state, progress, skip - 1, last)
+        ):
+            phase = Phase.VALIDATION
+    if phase is Phase.VALIDATION and skip:
+        state, progress = run.validate(state, attrs.evolve(progress, phase=Phase.VALIDATION))
+    if phase is Phase.VALIDATED:
+        progress = attrs.evolve(progress, phase=Phase.VALIDATION_END)
+        state, progress = run.emit(Event.ON_VALIDATION_END, state, progress)
+    if phase.mid_batch:
+        progress = attrs.evolve(progress, total_batch_idx=progress.total_batch_idx + 1)
+    return state, attrs.evolve(progress, phase=Phase.BETWEEN)
+
+
+def position(train_loader: Any, state: TrainState, epoch: int, restored: Any) -> tuple[int, int]:
+    """Point the loader at ``epoch``; returns ``(skip, offset)``: the batches the state has
+    consumed in it, and how many of those the loader skips without loading them (a state
+    saved mid-epoch resumes there; the rest are fetched and dropped). ``restored``: a stateful
+    loader's state as a checkpoint recorded it, if any."""
+    skip = state.batch_idx
+    seed_shuffle(train_loader, state.seed, epoch)  # shuffle=True: order from the state
+    seed_batches(train_loader, state.seed, epoch)  # augmentation: from the state too
+    offset = skip if position_loader(train_loader, epoch, skip) else 0
+    if skip and not offset and restored is not None and stateful(train_loader):
+        train_loader.load_state_dict(restored)  # it continues where it was saved
+        offset = skip
+    if skip and not offset:
+        warnings.warn(
+            f"resuming mid-epoch by loading and dropping {skip} batches; a DataLoader over "
+            "a map-style dataset (with a batch_size) skips them without loading, and so "
+            "does a loader with state_dict()/load_state_dict() (torchdata's "
+            "StatefulDataLoader)",
+            stacklevel=5,
+        )
+    return skip, offset
+
+
+def _validates_after(
+    config: LoopConfig, state: TrainState, progress: Progress, batch_idx: int, is_last: bool
+) -> bool:
+    """Whether validation runs after this training batch, in an epoch that validates."""
+    return schedule.should_validate(
+        config,
+        val_check_batch=progress.val_check_batch,
+        batch_idx=batch_idx,
+        total_batch_idx=progress.total_batch_idx,
+        is_last=is_last,
+        should_stop=progress.should_stop,
+        epoch=state.epoch,
+        global_step=state.step,
+    )
+
+
+def _reloads(config: LoopConfig, datamodule: Any, epochs_since: int) -> bool:
+    """Lightning's ``reload_dataloaders_every_n_epochs`` for the training loader."""
+    every = config.reload_dataloaders_every_n_epochs
+    return bool(every) and datamodule is not None and epochs_since >= every
+
+
+def _epoch_done(config: LoopConfig, state: TrainState, progress: Progress) -> bool:
+    return schedule.epoch_done(
+        config, global_step=state.step, should_stop=progress.should_stop, epoch=state.epoch
+    )
+
+
+def _host(metrics: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """A step's metrics as host floats, named for the loggers (one transfer for them all)."""
+    keys = list(metrics)
+    values = torch.stack([metrics[k].detach().float().mean() for k in keys]).tolist()
+    return {f"train/{k}": v for k, v in zip(keys, values, strict=True)}
