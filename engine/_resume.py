@@ -22,8 +22,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from engine import checkpoint
 from engine.events import Event, Save
 from engine.loop import LoopConfig
@@ -277,8 +275,7 @@ class CheckpointingMixin:
         if extra.get("train_metrics") and self.task is not None:
             reducer = MetricReducer(self.task.reduce)
             reducer.load_state_dict(extra["train_metrics"])
-        self._progress = attrs.evolve(
-            restored,
+        self._progress = restored._replace(
             num_training_batches=now.num_training_batches,
             val_check_batch=now.val_check_batch,
             reducer=reducer,

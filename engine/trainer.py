@@ -21,7 +21,6 @@ from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
 
-import attrs
 import torch
 
 from engine import checkpoint, loop, transforms
@@ -374,7 +373,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             elif isinstance(request, Transition):
                 transitions.append((listener, request))
             elif isinstance(request, Stop):
-                self._progress = attrs.evolve(self._progress, should_stop=True)
+                self._progress = self._progress._replace(should_stop=True)
                 self._version += 1
             elif isinstance(request, Log):
                 self.log_metrics(request.metrics, request.step)
@@ -429,7 +428,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             )
         state.check_alive(f"Trainer.{stage}()")
         self.task, self._state, self.stage = task, state, stage
-        self._progress = attrs.evolve(self._progress, should_stop=False)
+        self._progress = self._progress._replace(should_stop=False)
         self.ckpt_path = None  # set by _restore when this run resumes from a checkpoint
         self._emitter = Emitter(self.callbacks)
         stack = contextlib.ExitStack()
@@ -530,8 +529,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
                 "in engine.data.SeededDataset(dataset, seed=...) to seed each sample",
                 stacklevel=2,
             )
-        self._progress = attrs.evolve(  # a checkpoint, if given, restores these
-            self._progress,
+        self._progress = self._progress._replace(  # a checkpoint, if given, restores these
             total_batch_idx=0,
             phase=Phase.BETWEEN,
             resume_phase=None,
@@ -639,7 +637,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
 
         progress = self._progress
         if progress.reducer is None:  # else restored by a resume
-            progress = attrs.evolve(progress, reducer=MetricReducer(task.reduce))
+            progress = progress._replace(reducer=MetricReducer(task.reduce))
         run = _FitRun(self, step, evaluate, val_loaders, dm)
         self._state, self._progress = fit_loop(
             self.config,
@@ -721,10 +719,10 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             self._update_prog_bar(merged)
         if self._progress.phase is Phase.VALIDATION:
             # fit's validation has its results: a resume keeps them
-            self._progress = attrs.evolve(self._progress, phase=Phase.VALIDATED)
+            self._progress = self._progress._replace(phase=Phase.VALIDATED)
         self._emit(ev["epoch_end"])
         if self._progress.phase is Phase.VALIDATED:  # ... and its epoch end has been dispatched
-            self._progress = attrs.evolve(self._progress, phase=Phase.VALIDATION_END)
+            self._progress = self._progress._replace(phase=Phase.VALIDATION_END)
         self._emit(ev["end"])
         return results
 

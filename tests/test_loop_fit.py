@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import attrs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,7 +54,7 @@ class _Services:
     def emit(self, event, state, progress, **fields):
         self.events.append((event.value, state.step, progress.phase))
         if self.stop_at_step is not None and state.step >= self.stop_at_step:
-            progress = attrs.evolve(progress, should_stop=True)
+            progress = progress._replace(should_stop=True)
         return state, progress
 
     emit_batch = emit

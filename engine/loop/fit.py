@@ -15,7 +15,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-import attrs
 import torch
 
 from engine.data import (
@@ -97,7 +96,6 @@ def fit(
     positions are restored as the user made them when it returns or raises.
     """
     reducer, track = progress.reducer, not config.barebones  # barebones: no metrics at all
-    evolve = attrs.evolve
     positioned: list[Any] = []
     last_reload: int | None = None
     try:
@@ -112,7 +110,7 @@ def fit(
             epoch = state.epoch
             if progress.resume_phase is Phase.EPOCH_END:
                 # saved at the end of the epoch: its end (logging, events) has happened
-                progress = evolve(progress, resume_phase=None)
+                progress = progress._replace(resume_phase=None)
                 reducer.reset()
                 state = state.replace(epoch=epoch + 1, batch_idx=0)
                 continue
@@ -126,8 +124,7 @@ def fit(
             )
             if batches == 0:
                 break
-            progress = evolve(
-                progress,
+            progress = progress._replace(
                 num_training_batches=batches,
                 val_check_batch=schedule.val_check_batch(config, batches, enable_validation),
             )
@@ -138,7 +135,7 @@ def fit(
             if not any(x is train_loader for x in positioned):
                 positioned.append(train_loader)
             skip, offset = position(train_loader, state, epoch, progress.resume_data_state)
-            progress = evolve(progress, resume_data_state=None)
+            progress = progress._replace(resume_data_state=None)
             if progress.resume_phase is not None:
                 state, progress = _finish_resumed_batch(
                     config, run, state, progress, skip, validate_this_epoch
@@ -157,7 +154,8 @@ def fit(
                 if batch_idx < skip:
                     continue
                 batch = run.move(batch)
-                progress = evolve(progress, data_position=data_position)
+                if data_position is not progress.data_position:  # None unless stateful
+                    progress = progress._replace(data_position=data_position)
                 state, progress = run.emit_batch(
                     Event.ON_TRAIN_BATCH_START, state, progress, batch=batch, batch_idx=batch_idx
                 )
@@ -168,7 +166,7 @@ def fit(
                     if steps and state.step % config.log_every_n_steps == 0:
                         run.log(state, _host(metrics))
                 # a checkpoint saved from now on still validates on resume
-                progress = evolve(progress, phase=Phase.BATCH_END)
+                progress = progress._replace(phase=Phase.BATCH_END)
                 state, progress = run.emit_batch(
                     Event.ON_TRAIN_BATCH_END,
                     state,
@@ -180,10 +178,10 @@ def fit(
                 if validate_this_epoch and _validates_after(
                     config, state, progress, batch_idx, is_last
                 ):
-                    progress = evolve(progress, phase=Phase.VALIDATION)
+                    progress = progress._replace(phase=Phase.VALIDATION)
                     state, progress = run.validate(state, progress)
-                progress = evolve(
-                    progress, total_batch_idx=progress.total_batch_idx + 1, phase=Phase.BETWEEN
+                progress = progress._replace(
+                    total_batch_idx=progress.total_batch_idx + 1, phase=Phase.BETWEEN
                 )
                 run.check_signal(state, progress)
                 if _epoch_done(config, state, progress):
@@ -194,10 +192,10 @@ def fit(
                 epoch_metrics = {f"train/{k}_epoch": v for k, v in reducer.compute().items()}
                 reducer.reset()
                 run.log(state, epoch_metrics)
-            progress = evolve(progress, phase=Phase.EPOCH_END)
+            progress = progress._replace(phase=Phase.EPOCH_END)
             state, progress = run.emit(Event.ON_TRAIN_EPOCH_END, state, progress)
             state = state.replace(epoch=epoch + 1, batch_idx=0)
-            progress = evolve(progress, phase=Phase.BETWEEN)
+            progress = progress._replace(phase=Phase.BETWEEN)
             run.check_signal(state, progress)  # one that came during the epoch's end
         state, progress = run.emit(Event.ON_TRAIN_END, state, progress)
         state, progress = run.emit(Event.ON_FIT_END, state, progress)
@@ -225,7 +223,7 @@ def _finish_resumed_batch(
     batch is then counted.
     """
     phase = progress.resume_phase or Phase.BETWEEN
-    progress = attrs.evolve(progress, resume_phase=None, phase=phase)
+    progress = progress._replace(resume_phase=None, phase=phase)
     if phase is Phase.BATCH_END:
         last = skip >= progress.num_training_batches
         if (
@@ -235,13 +233,13 @@ def _finish_resumed_batch(
         ):
             phase = Phase.VALIDATION
     if phase is Phase.VALIDATION and skip:
-        state, progress = run.validate(state, attrs.evolve(progress, phase=Phase.VALIDATION))
+        state, progress = run.validate(state, progress._replace(phase=Phase.VALIDATION))
     if phase is Phase.VALIDATED:
-        progress = attrs.evolve(progress, phase=Phase.VALIDATION_END)
+        progress = progress._replace(phase=Phase.VALIDATION_END)
         state, progress = run.emit(Event.ON_VALIDATION_END, state, progress)
     if phase.mid_batch:
-        progress = attrs.evolve(progress, total_batch_idx=progress.total_batch_idx + 1)
-    return state, attrs.evolve(progress, phase=Phase.BETWEEN)
+        progress = progress._replace(total_batch_idx=progress.total_batch_idx + 1)
+    return state, progress._replace(phase=Phase.BETWEEN)
 
 
 def position(train_loader: Any, state: TrainState, epoch: int, restored: Any) -> tuple[int, int]:
