@@ -864,17 +864,20 @@ class _FitRun:
     def emit(
         self, event: Event, state: TrainState, progress: Progress, **fields: Any
     ) -> tuple[TrainState, Progress]:
-        t = self.trainer
-        t._state, t._progress = state, progress
-        t._emit(event, **fields)
-        return t._state, t._progress
+        return self._through(self.trainer._emit, event, state, progress, fields)
 
     def emit_batch(
         self, event: Event, state: TrainState, progress: Progress, **fields: Any
     ) -> tuple[TrainState, Progress]:
+        return self._through(self.trainer._emit_batch, event, state, progress, fields)
+
+    def _through(
+        self, emit: Any, event: Event, state: TrainState, progress: Progress, fields: dict
+    ) -> tuple[TrainState, Progress]:
+        """Record what the loop handed over, emit, and hand back what the requests left."""
         t = self.trainer
         t._state, t._progress = state, progress
-        t._emit_batch(event, **fields)
+        emit(event, **fields)
         return t._state, t._progress
 
     def step(
