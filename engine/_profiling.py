@@ -1,36 +1,43 @@
-"""The Trainer's simple and PyTorch profilers (a mixin of :class:`engine.trainer.Trainer`)."""
+"""The Trainer's simple and PyTorch profilers (``Trainer(profiler=...)``), as an object it holds."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__: list[str] = []
 
 
-class ProfilingMixin:
-    """``profiler="simple"``: per-action timings; ``"pytorch"``: a Chrome trace in the log dir."""
+class Profiler:
+    """``"simple"``: per-action timings, a table printed and written to the log directory;
+    ``"pytorch"``: a Chrome trace there; ``None``: nothing, at no cost.
 
-    profiler: str | None
-    profile: dict[str, list[float]]
-    default_root_dir: str
+    Example:
+        >>> import tempfile
+        >>> p = Profiler("simple")
+        >>> with tempfile.TemporaryDirectory() as d, p.run("fit", d):  # doctest: +ELLIPSIS
+        ...     step = p.timed("train_step", lambda x: x + 1)
+        ...     _ = [step(i) for i in range(3)]
+        Simple profiler: fit took ...
+        >>> len(p.profile["train_step"])
+        3
+    """
 
-    if TYPE_CHECKING:  # provided by the Trainer
-
-        @property
-        def log_dir(self) -> str | None: ...
+    def __init__(self, kind: str | None) -> None:
+        self.kind = kind
+        self.profile: dict[str, list[float]] = {}  # the last run's timings, by action
 
     @contextlib.contextmanager
-    def _profiler(self, stage: str) -> Iterator[None]:
-        if self.profiler is None:
+    def run(self, stage: str, log_dir: str) -> Iterator[None]:
+        """Profile one Trainer run (``stage``), writing what it found into ``log_dir``."""
+        if self.kind is None:
             yield
             return
-        log_dir = self.log_dir or self.default_root_dir
         os.makedirs(log_dir, exist_ok=True)
-        if self.profiler == "pytorch":
+        if self.kind == "pytorch":
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -59,10 +66,10 @@ class ProfilingMixin:
             f.write(report + "\n")
         print(report)
 
-    def _timed(self, action: str, fn: Any) -> Any:
-        """``fn``, timed into ``self.profile[action]`` when ``profiler="simple"``, else itself
+    def timed(self, action: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, timed into ``profile[action]`` with the simple profiler, else ``fn`` itself
         (no cost in the loop when profiling is off)."""
-        if self.profiler != "simple":
+        if self.kind != "simple":
             return fn
 
         def timed(*args: Any, **kwargs: Any) -> Any:

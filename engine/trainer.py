@@ -25,7 +25,7 @@ import torch
 
 from engine import checkpoint, loop, transforms
 from engine._config import FlagViews
-from engine._profiling import ProfilingMixin
+from engine._profiling import Profiler
 from engine._resume import CheckpointingMixin, _is
 from engine.data import (
     batch_size,
@@ -58,7 +58,7 @@ from engine.task import Task
 __all__ = ["Trainer"]
 
 
-class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
+class Trainer(CheckpointingMixin, FlagViews):
     """Lightning's ``Trainer``, as a driver of pure steps. Flags keep Lightning's names,
     defaults and meanings.
 
@@ -170,7 +170,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
         self._view_version = -1  # ... and the version
         # asynchronous saves requested by listeners, with the checkpoints each replaces
         self._in_flight: list[tuple[Future[Any], tuple[str, ...]]] = []
-        self.profile: dict[str, list[float]] = {}
+        self._profiler = Profiler(self.config.profiler)
         self._signal: int | None = None  # SIGTERM / SIGINT received during fit
         self.ckpt_path: str | None = None  # the checkpoint the current run resumed from
         self.train_dataloader: Any = None  # what fit() trains on (Lightning's attribute)
@@ -242,6 +242,11 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
     def num_training_batches(self) -> float:
         """Training batches per epoch after ``limit_train_batches`` (the current epoch's)."""
         return self._progress.num_training_batches
+
+    @property
+    def profile(self) -> dict[str, list[float]]:
+        """The simple profiler's timings of the last run, by action (``profiler="simple"``)."""
+        return self._profiler.profile
 
     @property
     def global_step(self) -> int:
@@ -447,7 +452,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
             previous_bm = torch.backends.cudnn.benchmark
             torch.backends.cudnn.benchmark = self.benchmark
             stack.callback(setattr, torch.backends.cudnn, "benchmark", previous_bm)
-        profiler = self._profiler(stage)
+        profiler = self._profiler.run(stage, self.log_dir or self.default_root_dir)
         stack.enter_context(profiler)
         # asynchronous saves land before the run returns (and then delete what they replace);
         # the host copy they keep for the next snapshot (one state's worth of memory) is not
@@ -607,9 +612,9 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
         pipeline = self._transforms = self._pipeline(fit=True)
         assert self._state is not None
         self._state = pipeline.prepare(self._state)
-        step = self._timed("train_step", task.train_step(transforms=pipeline))
+        step = self._profiler.timed("train_step", task.train_step(transforms=pipeline))
         evaluate = (  # a task with a custom step_fn may have nothing to validate with
-            self._timed(
+            self._profiler.timed(
                 "validation_step",
                 task.eval_step(transforms=pipeline, inference_mode=self.inference_mode),
             )
@@ -778,7 +783,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
         else:
             self.num_test_batches = limits
         self._transforms = self._pipeline()
-        step = self._timed(
+        step = self._profiler.timed(
             f"{kind}_step",
             (task.eval_step if kind == "validation" else task.test_step)(
                 transforms=self._transforms, inference_mode=self.inference_mode
@@ -811,7 +816,7 @@ class Trainer(CheckpointingMixin, ProfilingMixin, FlagViews):
         ]
         self.num_predict_batches = limits
         self._transforms = self._pipeline()
-        step = self._timed(
+        step = self._profiler.timed(
             "predict_step",
             task.predict_step(transforms=self._transforms, inference_mode=self.inference_mode),
         )
