@@ -1,9 +1,12 @@
 """The Trainer's checkpointing: save, resolve and restore checkpoints; carry out the listeners'
 :class:`~engine.events.Save` requests; stop cleanly on signals.
 
-A mixin of :class:`engine.trainer.Trainer`. It reads the loop's position only from the
-Trainer's record of the last ``state`` / ``progress`` the fit loop (:mod:`engine.loop.fit`)
-handed it; the loop itself lives in ``engine/loop/fit.py``.
+Two objects the Trainer holds, neither of which reads the Trainer: a :class:`Checkpointer`
+(made with the listeners, the loggers and the root directory, which a Trainer never replaces)
+is handed everything else it needs on each call, the run's position as a :class:`RunRecord`
+(the last ``state`` / ``progress`` the fit loop, :mod:`engine.loop.fit`, handed the Trainer,
+the stage, the config and the metrics) and the Trainer's own steps (announcing a save, saving)
+as functions; a :class:`SignalCatcher` keeps the signal received during a fit.
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, NoReturn
 
 from engine import checkpoint
-from engine.events import Event, Save
+from engine.events import Save
 from engine.loop import LoopConfig
 from engine.loop.progress import Progress
 from engine.metrics import MetricReducer
@@ -31,43 +34,43 @@ from engine.state import TrainState
 
 __all__: list[str] = []
 
+_METRICS = ("callback_metrics", "logged_metrics", "progress_bar_metrics")
 
-class CheckpointingMixin:
-    """Checkpoint and signal handling for the Trainer (which provides these attributes)."""
 
-    callbacks: list[Any]
-    loggers: list[Any]
-    config: LoopConfig
-    default_root_dir: str
+class RunRecord(NamedTuple):
+    """What a checkpoint holds of the run besides the listeners: the state and the loop's
+    progress, the stage, the flags and the metrics the listeners have seen so far."""
+
+    state: TrainState
+    progress: Progress
     stage: str | None
-    task: Any
-    callback_metrics: dict[str, float]
-    logged_metrics: dict[str, float]
-    progress_bar_metrics: dict[str, float]
-    _version: int
-    ckpt_path: str | None
-    # the last state and loop progress the fit loop handed the Trainer (engine.loop.fit)
-    _state: TrainState | None
-    _progress: Progress
-    _emitter: Any
-    _in_flight: list[tuple[Future[Any], tuple[str, ...]]]
-    _signal: int | None
+    config: LoopConfig
+    callback_metrics: Mapping[str, float]
+    logged_metrics: Mapping[str, float]
+    progress_bar_metrics: Mapping[str, float]
 
-    if TYPE_CHECKING:  # the Trainer's methods this mixin calls
 
-        def _emit(self, event: Event, **fields: Any) -> None: ...
+class Restored(NamedTuple):
+    """What a fit continues from, read from a checkpoint (:meth:`Checkpointer.restore_run`)."""
 
-        @property
-        def global_step(self) -> int: ...
+    progress: Progress
+    metrics: dict[str, dict[str, float]]  # by name: callback_metrics, logged_metrics, ...
 
-        @property
-        def current_epoch(self) -> int: ...
 
-    def _keyed_listeners(self, *, stateful_only: bool = True) -> list[tuple[str, Any]]:
+class Checkpointer:
+    """Checkpoint writing, resolution and restoring for a Trainer's listeners, loggers and
+    root directory; the asynchronous saves that replace older checkpoints, until they land."""
+
+    def __init__(self, listeners: Sequence[Any], loggers: Sequence[Any], root: str) -> None:
+        self.listeners, self.loggers, self.root = listeners, loggers, root
+        # asynchronous saves requested by listeners, with the checkpoints each replaces
+        self.in_flight: list[tuple[Future[Any], tuple[str, ...]]] = []
+
+    def keyed_listeners(self, *, stateful_only: bool = True) -> list[tuple[str, Any]]:
         """The listeners by key: ``state_key`` or the class name, ``#n`` for the n-th of a key."""
         keyed: list[tuple[str, Any]] = []
         seen: dict[str, int] = {}
-        for listener in self.callbacks:
+        for listener in self.listeners:
             if stateful_only and not callable(getattr(listener, "state_dict", None)):
                 continue
             key = getattr(listener, "state_key", None) or type(listener).__qualname__
@@ -75,55 +78,30 @@ class CheckpointingMixin:
             keyed.append((key if seen[key] == 1 else f"{key}#{seen[key]}", listener))
         return keyed
 
-    def save_checkpoint(
+    def save(
         self,
         filepath: str | os.PathLike[str],
+        announce: Callable[[str, _Landing | None], None],
+        record: Callable[[], RunRecord],
         *,
         metrics: Mapping[str, float] | None = None,
         asynchronous: bool = False,
         weights_only: bool = False,
     ) -> Any:
-        """Save the current state, the listeners' states and the loop position to ``filepath``.
-
-        The checkpoint determines the rest of the run: ``fit(..., ckpt_path=filepath)`` continues
-        it. See :func:`engine.checkpoint.save` for the format and the guarantees. With
-        ``asynchronous=True`` only a snapshot blocks and the write happens in the background
-        (:func:`engine.checkpoint.save_async`); returns a future of the path instead of the path.
-        A run waits for its pending saves before it ends. ``weights_only=True`` saves the model
-        alone (Lightning's meaning): ``validate`` / ``test`` / ``predict`` can start from it,
-        ``fit`` cannot.
-
-        For code outside events (after ``fit``, say). A listener returns
-        :class:`~engine.events.Save` instead, which the driver carries out through this method
-        once the event has reached every listener.
-
-        Raises:
-            RuntimeError: before a run, or when called while an event is being dispatched (from
-                a handler that holds the trainer): return ``engine.Save(path)`` there.
-        """
-        if self._state is None:
-            raise RuntimeError("save_checkpoint(): nothing to save yet; call fit() first")
-        dispatching = self._emitter.dispatching
-        if dispatching is not None:
-            raise RuntimeError(
-                f"trainer.save_checkpoint() was called while {dispatching.value} was being "
-                "dispatched; a listener returns engine.Save(path) (with asynchronous=, "
-                "weights_only=, replaces=) and the driver writes it once every listener has had "
-                "the event, so the checkpoint holds all their states after it"
-            )
-        # the event comes first (a listener's state must be in the checkpoint), the write after;
-        # for an asynchronous save listeners get a future that the write's future completes,
-        # whatever happens meanwhile
+        """``Trainer.save_checkpoint``'s work: ``announce(path, future)`` (the
+        ``on_save_checkpoint`` event) first, since a listener's state must be in the checkpoint,
+        then the write of the run as ``record()`` then says it is. For an asynchronous save
+        listeners get a future that the write's future completes, whatever happens meanwhile."""
         landed = _Landing() if asynchronous else None
         chained = False
         try:
-            self._emit(
-                Event.ON_SAVE_CHECKPOINT,
-                checkpoint_path=os.fspath(filepath),
-                checkpoint_future=landed,
-            )
-            out = self._write_checkpoint(
-                filepath, metrics=metrics, asynchronous=asynchronous, weights_only=weights_only
+            announce(os.fspath(filepath), landed)
+            out = self.write(
+                filepath,
+                record(),
+                metrics=metrics,
+                asynchronous=asynchronous,
+                weights_only=weights_only,
             )
             if landed is not None:
                 out.add_done_callback(partial(_complete, landed))
@@ -134,42 +112,42 @@ class CheckpointingMixin:
             raise
         return out
 
-    def _write_checkpoint(
+    def write(
         self,
         filepath: str | os.PathLike[str],
+        run: RunRecord,
         *,
         metrics: Mapping[str, float] | None = None,
         asynchronous: bool = False,
         weights_only: bool = False,
     ) -> Any:
-        """save_checkpoint's write, after its event."""
-        assert self._state is not None
+        """The checkpoint of ``run`` and the listeners' states, written (after its event)."""
         listeners = {}
-        for key, listener in self._keyed_listeners():
+        for key, listener in self.keyed_listeners():
             state = listener.state_dict()
             if state:
                 listeners[key] = state
-        progress = self._progress
+        progress = run.progress
         extra = {
             "listeners": listeners,
             "trainer": {
                 **progress.to_json(),  # the loop's position: total_batch_idx, phase, ...
-                "stage": self.stage,
+                "stage": run.stage,
                 # what listeners have seen so far
-                "callback_metrics": _finite_or_str(self.callback_metrics),
-                "logged_metrics": _finite_or_str(self.logged_metrics),
-                "progress_bar_metrics": _finite_or_str(self.progress_bar_metrics),
+                "callback_metrics": _finite_or_str(run.callback_metrics),
+                "logged_metrics": _finite_or_str(run.logged_metrics),
+                "progress_bar_metrics": _finite_or_str(run.progress_bar_metrics),
                 # breaks ties between checkpoints of one step for ckpt_path="last"
                 "saved_at_ns": time.time_ns(),
             },
-            "config": self.config.to_json(),  # the flags the run was made with
+            "config": run.config.to_json(),  # the flags the run was made with
             # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
             "train_metrics": None if progress.reducer is None else progress.reducer.state_dict(),
         }
-        metrics = dict(self.callback_metrics) if metrics is None else metrics
+        metrics = dict(run.callback_metrics) if metrics is None else metrics
         if asynchronous:  # its fingerprint is hashed from the snapshot, off the loop (journal)
             return checkpoint.save_async(
-                self._state,
+                run.state,
                 filepath,
                 metrics=metrics,
                 extra=extra,
@@ -177,13 +155,15 @@ class CheckpointingMixin:
                 weights_only=weights_only,
             )
         return checkpoint.save(
-            self._state, filepath, metrics=metrics, extra=extra, weights_only=weights_only
+            run.state, filepath, metrics=metrics, extra=extra, weights_only=weights_only
         )
 
-    def _resolve_ckpt(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
+    def resolve(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
+        """The checkpoint ``ckpt_path`` names: a path, ``"best"`` (of a ``ModelCheckpoint``) or
+        ``"last"`` (the newest valid one); ``None`` when ``"last"`` finds none."""
         if ckpt_path not in ("last", "best"):
             return Path(ckpt_path)
-        savers = [x for x in self.callbacks if _is(x, "ModelCheckpoint")]
+        savers = [x for x in self.listeners if _is(x, "ModelCheckpoint")]
         if ckpt_path == "best":
             best = next((x.best_model_path for x in savers if x.best_model_path), None)
             if not best:
@@ -193,7 +173,7 @@ class CheckpointingMixin:
                 )
             return Path(best)
         roots = [Path(x.dirpath) for x in savers if getattr(x, "dirpath", None)]
-        roots.append(Path(self.default_root_dir) / "checkpoints")
+        roots.append(Path(self.root) / "checkpoints")
         found = []
         for root in roots:
             checkpoint.clean_leftovers(root)
@@ -230,116 +210,78 @@ class CheckpointingMixin:
         )
         return None
 
-    def _restore(self, ckpt_path: str | os.PathLike[str], template: TrainState) -> None:
-        path = self._resolve_ckpt(ckpt_path)
-        if path is None:
-            return
-        if self.stage == "fit" and checkpoint.read_meta(path).get("weights_only"):
+    def load(
+        self, path: Path, template: TrainState, *, stage: str | None, asked: Any
+    ) -> TrainState:
+        """The state in the checkpoint at ``path`` (``asked``: the ``ckpt_path`` given), with
+        ``template``'s structure; a fit refuses a weights-only one."""
+        if stage == "fit" and checkpoint.read_meta(path).get("weights_only"):
             raise ValueError(
-                f"fit(ckpt_path={str(ckpt_path)!r}): {path} holds only the model's weights (saved "
+                f"fit(ckpt_path={str(asked)!r}): {path} holds only the model's weights (saved "
                 "with weights_only=True / ModelCheckpoint(save_weights_only=True)), not the "
                 "optimizer state a fit continues from. Resume from a full checkpoint, or load "
                 "the weights into the state you start from (checkpoint.load(path, state))"
             )
-        self._state = checkpoint.load(path, template)
-        self.ckpt_path = str(path)  # ModelCheckpoint never deletes the one a run resumed from
+        return checkpoint.load(path, template)
+
+    def restore_run(
+        self, path: Path, *, stage: str | None, progress: Progress, reduce: Mapping[str, str] | None
+    ) -> Restored | None:
+        """The listeners' states, loaded from the checkpoint at ``path``; and, for a fit, the
+        progress it continues from (``progress``'s batch counts kept, the epoch's metric
+        reduction rebuilt with ``reduce``) and the metrics its listeners had seen. Raises
+        ``CheckpointError`` when the run's state in ``extra`` cannot be restored."""
         meta = checkpoint.read_meta(path)
         try:
-            self._restore_run(meta)
+            return self._restore_run(meta, stage, progress, reduce)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             # meta.json verified, so written like this: by hand, or by another engine
             raise checkpoint.CheckpointError(
                 f"{path / checkpoint.META}: the run's state in 'extra' cannot be restored "
                 f"({type(e).__name__}: {e}); was the file edited, or written by another engine?"
             ) from e
-        self._emit(Event.ON_LOAD_CHECKPOINT, checkpoint_path=str(path))
 
-    def _restore_run(self, meta: dict[str, Any]) -> None:
-        """The loop's and the listeners' state, from a checkpoint's verified ``meta``."""
+    def _restore_run(
+        self,
+        meta: dict[str, Any],
+        stage: str | None,
+        now: Progress,
+        reduce: Mapping[str, str] | None,
+    ) -> Restored | None:
         saved = meta.get("extra", {}).get("listeners", {})
-        for key, listener in self._keyed_listeners():
+        for key, listener in self.keyed_listeners():
             if key in saved and callable(getattr(listener, "load_state_dict", None)):
                 listener.load_state_dict(saved[key])
         extra = meta.get("extra", {})
         saved_loop = extra.get("trainer", {})
         restored = Progress.from_checkpoint(saved_loop)
-        now = self._progress
-        if self.stage != "fit":  # nothing continues: only the checks above matter
-            return
+        if stage != "fit":  # nothing continues: only the checks above matter
+            return None
         # the run continues: what its listeners had seen, they see
-        for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics"):
-            if name in saved_loop:
-                setattr(self, name, {k: float(v) for k, v in saved_loop[name].items()})
-        self._version += 1
+        metrics = {
+            name: {k: float(v) for k, v in saved_loop[name].items()}
+            for name in _METRICS
+            if name in saved_loop
+        }
         reducer = now.reducer
-        if extra.get("train_metrics") and self.task is not None:
-            reducer = MetricReducer(self.task.reduce)
+        if extra.get("train_metrics") and reduce is not None:
+            reducer = MetricReducer(reduce)
             reducer.load_state_dict(extra["train_metrics"])
-        self._progress = restored._replace(
+        progress = restored._replace(
             num_training_batches=now.num_training_batches,
             val_check_batch=now.val_check_batch,
             reducer=reducer,
         )
-
-    @contextlib.contextmanager
-    def _catch_signals(self) -> Iterator[None]:
-        """During fit, SIGTERM and SIGINT only raise a flag, checked after each training batch
-        (with its validation) and after each epoch's end: there the loop saves a checkpoint and
-        exits (see ``_stop_for_signal``). One that comes later, once the last epoch has ended,
-        finds the fit finished: it returns, saying so on stderr (``_report_late_signal``)."""
-        self._signal = None
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers can only be installed from the main thread
-            return
-
-        def handler(signum: int, frame: Any) -> None:
-            if self._signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt  # a second Ctrl-C: stop now
-            self._signal = signum
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
-    def _stop_for_signal(self) -> None:
-        assert self._signal is not None and self._state is not None
-        name = signal.Signals(self._signal).name
-        path = self.save_checkpoint(
-            Path(self.default_root_dir) / "checkpoints" / f"interrupted-step={self.global_step}"
-        )
-        message = (
-            f"{name} received: finished step {self.global_step} (epoch {self.current_epoch}, "
-            f"batch {self._state.batch_idx}), saved a checkpoint to {path}; resume exactly with "
-            f"Trainer.fit(..., ckpt_path={str(path)!r}) or ckpt_path='last'"
-        )
-        print(message, file=sys.stderr)
-        if self._signal == signal.SIGINT:
-            raise KeyboardInterrupt(message)
-        raise SystemExit(message)
-
-    def _report_late_signal(self) -> None:
-        """A signal that came after the last check of the fit (in ``on_train_end``,
-        ``on_fit_end`` or teardown): training had finished, so the fit returns its final
-        state; say so, since the signal asked for an end that had already come."""
-        assert self._signal is not None
-        name = signal.Signals(self._signal).name
-        print(
-            f"{name} received after the last training step: the fit had finished (step "
-            f"{self.global_step}, epoch {self.current_epoch}) and returns its final state; no "
-            "interrupted checkpoint was needed",
-            file=sys.stderr,
-        )
+        return Restored(progress, metrics)
 
     # ------------------------------------------------------------------ requested saves
 
-    def _save_requested(self, listener: Any, request: Save) -> None:
-        """Carry out a listener's :class:`~engine.events.Save`: write it, tell the loggers when
-        a ``ModelCheckpoint`` asked (Lightning's ``after_save_checkpoint``), and delete what it
-        replaces once it is on disk (an asynchronous one: once it has landed, see :meth:`_reap`)."""
-        out = self.save_checkpoint(
+    def save_requested(self, listener: Any, request: Save, save: Callable[..., Any]) -> None:
+        """Carry out a listener's :class:`~engine.events.Save` with ``save`` (the Trainer's
+        ``save_checkpoint``): write it, tell the loggers when a ``ModelCheckpoint`` asked
+        (Lightning's ``after_save_checkpoint``), and delete what it replaces once it is on disk
+        (an asynchronous one: once it has landed, see :meth:`reap`)."""
+        out = save(
             request.path, asynchronous=request.asynchronous, weights_only=request.weights_only
         )
         if _is(listener, "ModelCheckpoint"):
@@ -351,24 +293,84 @@ class CheckpointingMixin:
         if not doomed:
             return
         if request.asynchronous:
-            self._in_flight.append((out, doomed))
+            self.in_flight.append((out, doomed))
         else:
             for path in doomed:
                 checkpoint.remove(path)
 
-    def _reap(self, *, wait: bool) -> None:
+    def reap(self, *, wait: bool) -> None:
         """Delete the checkpoints replaced by asynchronous saves that have landed (all of them,
         waiting, with ``wait``), in the order they were asked for; a save that failed or was
         cancelled leaves what it would have replaced."""
-        while self._in_flight:
-            future, doomed = self._in_flight[0]
+        while self.in_flight:
+            future, doomed = self.in_flight[0]
             if not wait and not future.done():
                 return
-            self._in_flight.pop(0)
+            self.in_flight.pop(0)
             if future.cancelled() or future.exception() is not None:
                 continue
             for path in doomed:
                 checkpoint.remove(path)
+
+
+class SignalCatcher:
+    """SIGTERM and SIGINT during a fit: ``received`` records the signal, and the loop, at its
+    next check, saves a checkpoint and exits (:meth:`stop`)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[None]:
+        """During fit, SIGTERM and SIGINT only raise a flag, checked after each training batch
+        (with its validation) and after each epoch's end: there the loop saves a checkpoint and
+        exits (see :meth:`stop`). One that comes later, once the last epoch has ended, finds the
+        fit finished: it returns, saying so on stderr (:meth:`report_late`)."""
+        self.received = None
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be installed from the main thread
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.received is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            self.received = signum
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def stop(self, state: TrainState, root: str, save: Callable[[Path], Any]) -> NoReturn:
+        """Save ``state``'s run with ``save`` (the Trainer's ``save_checkpoint``) under
+        ``root``'s ``checkpoints``, say where on stderr, and exit as the signal asks."""
+        assert self.received is not None
+        name = signal.Signals(self.received).name
+        path = save(Path(root) / "checkpoints" / f"interrupted-step={state.step}")
+        message = (
+            f"{name} received: finished step {state.step} (epoch {state.epoch}, "
+            f"batch {state.batch_idx}), saved a checkpoint to {path}; resume exactly with "
+            f"Trainer.fit(..., ckpt_path={str(path)!r}) or ckpt_path='last'"
+        )
+        print(message, file=sys.stderr)
+        if self.received == signal.SIGINT:
+            raise KeyboardInterrupt(message)
+        raise SystemExit(message)
+
+    def report_late(self, step: int, epoch: int) -> None:
+        """A signal that came after the last check of the fit (in ``on_train_end``,
+        ``on_fit_end`` or teardown): training had finished, so the fit returns its final
+        state; say so, since the signal asked for an end that had already come."""
+        assert self.received is not None
+        name = signal.Signals(self.received).name
+        print(
+            f"{name} received after the last training step: the fit had finished (step "
+            f"{step}, epoch {epoch}) and returns its final state; no "
+            "interrupted checkpoint was needed",
+            file=sys.stderr,
+        )
 
 
 def _recency(path: Path) -> tuple[int, int, float]:

@@ -26,7 +26,7 @@ import torch
 from engine import checkpoint, loop, transforms
 from engine._config import FlagViews
 from engine._profiling import Profiler
-from engine._resume import CheckpointingMixin, _is
+from engine._resume import Checkpointer, RunRecord, SignalCatcher, _is
 from engine.data import (
     batch_size,
     count_batches,
@@ -58,7 +58,7 @@ from engine.task import Task
 __all__ = ["Trainer"]
 
 
-class Trainer(CheckpointingMixin, FlagViews):
+class Trainer(FlagViews):
     """Lightning's ``Trainer``, as a driver of pure steps. Flags keep Lightning's names,
     defaults and meanings.
 
@@ -168,10 +168,10 @@ class Trainer(CheckpointingMixin, FlagViews):
         self._view: RunView | None = None  # the latest view of the run (_view_now, _batch_view)
         self._view_state: TrainState | None = None  # ... the state it was built for
         self._view_version = -1  # ... and the version
-        # asynchronous saves requested by listeners, with the checkpoints each replaces
-        self._in_flight: list[tuple[Future[Any], tuple[str, ...]]] = []
+        # checkpoints: written, resolved, restored; handed the run's record on each call
+        self._checkpointer = Checkpointer(self.callbacks, self.loggers, self.default_root_dir)
+        self._signals = SignalCatcher()  # SIGTERM / SIGINT received during fit
         self._profiler = Profiler(self.config.profiler)
-        self._signal: int | None = None  # SIGTERM / SIGINT received during fit
         self.ckpt_path: str | None = None  # the checkpoint the current run resumed from
         self.train_dataloader: Any = None  # what fit() trains on (Lightning's attribute)
         self.datamodule: Any = None  # the datamodule fit() was given, if any
@@ -290,6 +290,87 @@ class Trainer(CheckpointingMixin, FlagViews):
         self.callback_metrics.update(metrics)
         self._version += 1
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(
+        self,
+        filepath: str | os.PathLike[str],
+        *,
+        metrics: Mapping[str, float] | None = None,
+        asynchronous: bool = False,
+        weights_only: bool = False,
+    ) -> Any:
+        """Save the current state, the listeners' states and the loop position to ``filepath``.
+
+        The checkpoint determines the rest of the run: ``fit(..., ckpt_path=filepath)`` continues
+        it. See :func:`engine.checkpoint.save` for the format and the guarantees. With
+        ``asynchronous=True`` only a snapshot blocks and the write happens in the background
+        (:func:`engine.checkpoint.save_async`); returns a future of the path instead of the path.
+        A run waits for its pending saves before it ends. ``weights_only=True`` saves the model
+        alone (Lightning's meaning): ``validate`` / ``test`` / ``predict`` can start from it,
+        ``fit`` cannot.
+
+        For code outside events (after ``fit``, say). A listener returns
+        :class:`~engine.events.Save` instead, which the driver carries out through this method
+        once the event has reached every listener.
+
+        Raises:
+            RuntimeError: before a run, or when called while an event is being dispatched (from
+                a handler that holds the trainer): return ``engine.Save(path)`` there.
+        """
+        if self._state is None:
+            raise RuntimeError("save_checkpoint(): nothing to save yet; call fit() first")
+        dispatching = self._emitter.dispatching
+        if dispatching is not None:
+            raise RuntimeError(
+                f"trainer.save_checkpoint() was called while {dispatching.value} was being "
+                "dispatched; a listener returns engine.Save(path) (with asynchronous=, "
+                "weights_only=, replaces=) and the driver writes it once every listener has had "
+                "the event, so the checkpoint holds all their states after it"
+            )
+        return self._checkpointer.save(
+            filepath,
+            self._announce_save,
+            self._record,
+            metrics=metrics,
+            asynchronous=asynchronous,
+            weights_only=weights_only,
+        )
+
+    def _announce_save(self, path: str, future: Future[Any] | None) -> None:
+        self._emit(Event.ON_SAVE_CHECKPOINT, checkpoint_path=path, checkpoint_future=future)
+
+    def _record(self) -> RunRecord:
+        """The run as a checkpoint holds it (besides the listeners' states)."""
+        assert self._state is not None
+        return RunRecord(
+            self._state,
+            self._progress,
+            self.stage,
+            self.config,
+            self.callback_metrics,
+            self.logged_metrics,
+            self.progress_bar_metrics,
+        )
+
+    def _restore(self, ckpt_path: str | os.PathLike[str], template: TrainState) -> None:
+        """Continue from the checkpoint ``ckpt_path`` names: its state, its listeners' states
+        and, for a fit, the loop's position and the metrics."""
+        saver = self._checkpointer
+        path = saver.resolve(ckpt_path)
+        if path is None:
+            return
+        self._state = saver.load(path, template, stage=self.stage, asked=ckpt_path)
+        self.ckpt_path = str(path)  # ModelCheckpoint never deletes the one a run resumed from
+        reduce = None if self.task is None else self.task.reduce
+        restored = saver.restore_run(path, stage=self.stage, progress=self._progress, reduce=reduce)
+        if restored is not None:  # a fit continues: what its listeners had seen, they see
+            for name, values in restored.metrics.items():
+                setattr(self, name, values)
+            self._version += 1
+            self._progress = restored.progress
+        self._emit(Event.ON_LOAD_CHECKPOINT, checkpoint_path=str(path))
+
     # ------------------------------------------------------------------ events
 
     def _metric_snapshots(self) -> tuple[Mapping[str, float], ...]:
@@ -363,8 +444,8 @@ class Trainer(CheckpointingMixin, FlagViews):
         requests = self._emitter.emit(event, record)
         if requests:
             self._carry_out(event, requests)
-        if self._in_flight:
-            self._reap(wait=False)
+        if self._checkpointer.in_flight:
+            self._checkpointer.reap(wait=False)
 
     def _carry_out(self, event: Event, requests: list[tuple[Any, Any]]) -> None:
         """The requests the listeners made in ``event``, now that every listener has had it:
@@ -391,7 +472,7 @@ class Trainer(CheckpointingMixin, FlagViews):
                 "again; save from another event"
             )
         for listener, request in saves:
-            self._save_requested(listener, request)
+            self._checkpointer.save_requested(listener, request, self.save_checkpoint)
 
     def _transition(self, event: Event, listener: Any, request: Transition) -> None:
         """Apply a listener's :class:`~engine.events.Transition` to the state, then announce it
@@ -438,7 +519,7 @@ class Trainer(CheckpointingMixin, FlagViews):
         self._emitter = Emitter(self.callbacks)
         stack = contextlib.ExitStack()
         if stage == "fit":
-            stack.enter_context(self._catch_signals())
+            stack.enter_context(self._signals.catching())
         if self.detect_anomaly:
             stack.enter_context(torch.autograd.detect_anomaly())
         if self.deterministic is not None:
@@ -458,7 +539,7 @@ class Trainer(CheckpointingMixin, FlagViews):
         # the host copy they keep for the next snapshot (one state's worth of memory) is not
         # kept past the run
         stack.callback(checkpoint.release_buffers)
-        stack.callback(self._reap, wait=True)
+        stack.callback(self._checkpointer.reap, wait=True)
         stack.callback(checkpoint.wait)
         with stack:
             self._emit(Event.SETUP)
@@ -545,8 +626,8 @@ class Trainer(CheckpointingMixin, FlagViews):
         with self._run("fit", task, state, ckpt_path):
             self._fit(task, train_loaders[0], val_loaders, datamodule)
         assert self._state is not None
-        if self._signal is not None:  # after the last epoch's end: nothing was left to stop
-            self._report_late_signal()
+        if self._signals.received is not None:  # after the last epoch's end: nothing to stop
+            self._signals.report_late(self.global_step, self.current_epoch)
         return self._state
 
     def _pipeline(self, *, fit: bool = False) -> transforms.Pipeline:
@@ -908,9 +989,9 @@ class _FitRun:
 
     def check_signal(self, state: TrainState, progress: Progress) -> None:
         t = self.trainer
-        if t._signal is not None:
+        if t._signals.received is not None:
             t._state, t._progress = state, progress
-            t._stop_for_signal()
+            t._signals.stop(state, t.default_root_dir, t.save_checkpoint)
 
 
 def _check_custom_step(trainer: Trainer) -> None:
