@@ -238,6 +238,14 @@ class Trainer(FlagViews):
         """Whether a listener asked the current or last fit to stop (``engine.Stop``)."""
         return self._progress.should_stop
 
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        raise AttributeError(
+            f"trainer.should_stop = {value!r}: the loop's progress is not set from outside; a "
+            "listener returns engine.Stop('why') from an event (Lightning's "
+            "trainer.should_stop = True), which the driver carries out after the event"
+        )
+
     @property
     def num_training_batches(self) -> float:
         """Training batches per epoch after ``limit_train_batches`` (the current epoch's)."""

@@ -301,3 +301,10 @@ def test_the_drivers_per_batch_copy_of_a_view_is_the_view_at_other_counters():
     assert (view.global_step, view.current_epoch) == (3, 0)  # the original is untouched
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         moved.global_step = 5  # type: ignore[misc]
+
+
+def test_setting_trainer_should_stop_says_to_return_stop():
+    trainer = eg.Trainer(logger=False)
+    with pytest.raises(AttributeError, match=r"returns engine\.Stop\('why'\)"):
+        trainer.should_stop = True
+    assert trainer.should_stop is False
