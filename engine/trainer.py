@@ -963,6 +963,8 @@ class _FitRun:
     def emit_batch(
         self, event: Event, state: TrainState, progress: Progress, **fields: Any
     ) -> tuple[TrainState, Progress]:
+        if not self.trainer._emitter.wants(event):  # the hot path: nobody listens
+            return state, progress
         return self._through(self.trainer._emit_batch, event, state, progress, fields)
 
     def _through(
