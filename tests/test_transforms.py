@@ -123,6 +123,7 @@ def test_compose_applies_every_hook_in_the_one_declared_order():
     pipeline = transforms.compose(
         placement=_Recorder("placement", log),
         precision=_Recorder("precision", log),
+        strategy=_Recorder("strategy", log),
         detect_anomaly=_Recorder("anomaly", log),
         compile=_Recorder("compile", log),
     )
@@ -130,17 +131,20 @@ def test_compose_applies_every_hook_in_the_one_declared_order():
     state = pipeline.prepare(eg.TrainState.create(_model(), tx))
     batch = pipeline.move(_data(1)[0])
     pipeline.train_step(_loss, tx)(state, batch)
+    stages = ["placement", "precision", "strategy", "anomaly", "compile"]
+    grads_in = [f"grad {s} >" for s in stages]
     assert log == [
-        "prepare placement", "prepare precision", "prepare anomaly", "prepare compile",
-        "move placement", "move precision", "move anomaly", "move compile",
+        *(f"prepare {s}" for s in stages),  # place, cast, shard
+        *(f"move {s}" for s in stages),
         # outermost first: anomaly detection wraps the compiled core, never the reverse
-        "core placement", "core precision", "core anomaly", "core compile",
-        # the precision wraps the gradient computation (a loss scale around backward) ...
-        "grad placement >", "grad precision >", "grad anomaly >", "grad compile >",
-        "grad compile <", "grad anomaly <", "grad precision <", "grad placement <",
-        # ... and the update, before the gradients chain (unscale before clipping)
-        "update placement", "update precision", "update anomaly", "update compile",
-    ]  # fmt: skip
+        *(f"core {s}" for s in stages),
+        # the precision wraps the gradient computation (a loss scale around backward), the
+        # strategy's all-reduce runs inside it, right after backward ...
+        *grads_in,
+        *(f"grad {s} <" for s in reversed(stages)),
+        # ... and the precision wraps the update, before the gradients chain (unscale, clip)
+        *(f"update {s}" for s in stages),
+    ]
 
 
 def test_compose_refuses_what_is_not_a_transform():

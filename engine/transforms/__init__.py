@@ -12,7 +12,14 @@ Trainer's results bitwise::
 """
 
 from engine.transforms.base import Transform
-from engine.transforms.common import Clip, Compile, DetectAnomaly, Float32, SingleDevice
+from engine.transforms.common import (
+    Clip,
+    Compile,
+    DetectAnomaly,
+    Float32,
+    SingleDevice,
+    SingleProcess,
+)
 from engine.transforms.compose import Pipeline, compose
 from engine.transforms.observe import Observe
 
@@ -24,6 +31,7 @@ __all__ = [
     "Observe",
     "Pipeline",
     "SingleDevice",
+    "SingleProcess",
     "Transform",
     "compose",
 ]

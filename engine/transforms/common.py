@@ -15,7 +15,7 @@ from engine.state import TrainState
 from engine.step import compile_core
 from engine.transforms.base import Transform
 
-__all__ = ["Clip", "Compile", "DetectAnomaly", "Float32", "SingleDevice"]
+__all__ = ["Clip", "Compile", "DetectAnomaly", "Float32", "SingleDevice", "SingleProcess"]
 
 
 class SingleDevice(Transform):
@@ -86,6 +86,11 @@ class SingleDevice(Transform):
 
 def _on(t: Tensor, device: torch.device) -> bool:
     return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+class SingleProcess(Transform):
+    """One process (Lightning's ``strategy="single_device"``): every hook is the identity. A
+    data-parallel strategy all-reduces in ``wrap_grad``; a sharded one shards in ``prepare``."""
 
 
 class Float32(Transform):

@@ -2,13 +2,14 @@
 
 ::
 
-    placement -> precision -> observe -> clip -> detect_anomaly -> compile
+    placement -> precision -> observe -> strategy -> clip -> detect_anomaly -> compile
 
 Earlier is closer to the outside world: ``prepare`` and ``move`` run in this order (place the
-state and the batch on the device, then cast them there), and each ``wrap_*`` hook of an earlier
-transform wraps those of the later ones. So the precision's loss scaling wraps the gradient
-computation (a data-parallel all-reduce, placed after it, reduces the scaled gradients right after
-backward, as DDP's hooks do, so every rank's finite check sees the same gradients); its
+state and the batch on the device, then cast them there, then shard), and each ``wrap_*`` hook
+of an earlier transform wraps those of the later ones. So the precision's loss scaling wraps the
+gradient computation; the strategy's all-reduce, inside it and inside Lightning's step hooks,
+reduces the scaled gradients right after backward, as DDP's hooks do, so that
+``on_after_backward`` and every rank's finite check see the same gradients; the precision's
 ``wrap_update`` unscales and checks the gradients before the ``gradients`` chain clips them
 (``torch.amp.GradScaler``'s order: unscale, clip, step); Lightning's step hooks (``observe``)
 see the loss and the gradients inside the precision, as Lightning's do (scaled after backward,
@@ -37,7 +38,14 @@ from engine.step import (
     update_core,
 )
 from engine.transforms.base import Transform
-from engine.transforms.common import Clip, Compile, DetectAnomaly, Float32, SingleDevice
+from engine.transforms.common import (
+    Clip,
+    Compile,
+    DetectAnomaly,
+    Float32,
+    SingleDevice,
+    SingleProcess,
+)
 
 __all__ = ["Pipeline", "compose"]
 
@@ -47,6 +55,7 @@ def compose(
     placement: Transform | None = None,
     precision: Transform | None = None,
     observe: Transform | None = None,
+    strategy: Transform | None = None,
     clip: GradientTransformation | Transform | None = None,
     accumulate: int = 1,
     compile: bool | Mapping[str, Any] | Transform = False,
@@ -60,6 +69,8 @@ def compose(
         precision: the precision policy; default :class:`Float32`.
         observe: callbacks inside the step (an :class:`Observe`): Lightning's
             ``on_before_backward`` / ``on_after_backward`` / ``on_before_optimizer_step``.
+        strategy: how the work is spread over processes; default :class:`SingleProcess`
+            (data parallel: an all-reduce in ``wrap_grad``; fully sharded: ``prepare``).
         clip: a stateless gradient transformation run before the optimizer (the Trainer's
             ``gradient_clip_val``: ``optim.clip_by_global_norm(v)``), or a :class:`Clip`.
         accumulate: micro-batches per optimizer step (``accumulate_grad_batches``).
@@ -72,8 +83,8 @@ def compose(
         >>> from engine import optim, transforms
         >>> tx = optim.adam(1e-2)
         >>> pipeline = transforms.compose(clip=optim.clip_by_global_norm(1.0), accumulate=2)
-        >>> pipeline
-        Pipeline(SingleDevice(device=device(type='cpu')), Float32(), Clip(...), accumulate=2)
+        >>> [type(t).__name__ for t in pipeline.transforms]
+        ['SingleDevice', 'Float32', 'SingleProcess', 'Clip']
         >>> state = pipeline.prepare(eg.TrainState.create(torch.nn.Linear(3, 1), tx))
         >>> step = pipeline.train_step(lambda m, b: F.mse_loss(m(b[0]), b[1]), tx)
         >>> for _ in range(4):
@@ -88,6 +99,7 @@ def compose(
         placement if placement is not None else SingleDevice(),
         precision if precision is not None else Float32(),
         observe,
+        strategy if strategy is not None else SingleProcess(),
         clip if isinstance(clip, Transform) or clip is None else Clip(clip),
         detect_anomaly
         if isinstance(detect_anomaly, Transform)
