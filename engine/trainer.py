@@ -702,12 +702,13 @@ class Trainer(FlagViews):
         assert self._state is not None
         self._state = pipeline.prepare(self._state)
         step = self._profiler.timed("train_step", task.train_step(transforms=pipeline))
-        evaluate = (  # a task with a custom step_fn may have nothing to validate with
+        evaluate = (  # built only when there is something to validate (fit has no loaders
+            # to add later), so a task without an evaluation function fits without one
             self._profiler.timed(
                 "validation_step",
                 task.eval_step(transforms=pipeline, inference_mode=self.inference_mode),
             )
-            if val_loaders or task.step_fn is None
+            if val_loaders
             else None
         )
         self.num_val_batches = [
