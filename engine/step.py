@@ -173,11 +173,15 @@ def _split(out: Any, where: str) -> tuple[Tensor, Mapping[str, Any]]:
     )
 
 
+def _detached(values: Mapping[str, Any]) -> Metrics:
+    """Metrics as tensors cut from the graph (plain numbers become tensors)."""
+    return {
+        k: v.detach() if isinstance(v, Tensor) else torch.as_tensor(v) for k, v in values.items()
+    }
+
+
 def _metrics(loss: Tensor, aux: Mapping[str, Any]) -> Metrics:
-    out = {"loss": loss.detach()}
-    for k, v in aux.items():
-        out[k] = v.detach() if isinstance(v, Tensor) else torch.as_tensor(v)
-    return out
+    return {"loss": loss.detach(), **_detached(aux)}
 
 
 def _set_mode(module: nn.Module | None, training: bool) -> None:
@@ -578,10 +582,7 @@ class CustomStep:
         # may hold the new values)
         new = new.replace(batch_idx=state.batch_idx + 1, _ownership=type(state._ownership)())
         state._consume("train_step")
-        return new, {
-            k: v.detach() if isinstance(v, Tensor) else torch.as_tensor(v)
-            for k, v in metrics.items()
-        }
+        return new, _detached(metrics)
 
 
 class _InferenceStep(Generic[Out]):
@@ -624,10 +625,7 @@ class EvalStep(_InferenceStep[Metrics]):
 
     def _finish(self, out: Any) -> Metrics:
         if isinstance(out, Mapping):
-            return {
-                k: v.detach() if isinstance(v, Tensor) else torch.as_tensor(v)
-                for k, v in out.items()
-            }
+            return _detached(out)
         return _metrics(*_split(out, "the eval function"))
 
 
