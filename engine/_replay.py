@@ -181,6 +181,21 @@ class _Diverged(Exception):
         self.divergence = divergence
         self.after = after
 
+    @classmethod
+    def at(
+        cls, state: TrainState, diffs: dict[str, tuple[Any, Any]], after: int | None
+    ) -> _Diverged:
+        """The replay differs from the journal at ``state``'s position, in ``diffs``."""
+        return cls(Divergence(state.step, state.epoch, state.batch_idx, diffs), after=after)
+
+
+def _check_fingerprint(state: TrainState, journaled: str) -> None:
+    """Raise :class:`_Diverged` unless ``state`` has the ``journaled`` fingerprint (a state
+    that matches vouches for itself: no step before it is to blame)."""
+    actual = _fingerprint(state, journaled)
+    if actual != journaled:
+        raise _Diverged.at(state, {"fingerprint": (journaled, actual)}, after=None)
+
 
 def _key(step: int, epoch: int, batch_idx: int, micro_step: int) -> tuple[int, int, int, int]:
     return step, epoch, batch_idx, micro_step
@@ -227,17 +242,7 @@ class _Checker(Listener):
         journaled = self.start_line.get("fingerprint")
         if journaled is not None:
             self.compared += 1
-            actual = _fingerprint(state, journaled)
-            if journaled != actual:
-                raise _Diverged(
-                    Divergence(
-                        state.step,
-                        state.epoch,
-                        state.batch_idx,
-                        {"fingerprint": (journaled, actual)},
-                    ),
-                    after=None,
-                )
+            _check_fingerprint(state, journaled)
 
     def on_train_batch_start(self, rec: EventRecord) -> None:
         assert rec.state is not None
@@ -261,14 +266,8 @@ class _Checker(Listener):
                 for journaled in self.step_losses.get(state.step, ()):
                     self.compared += 1
                     if not _same(journaled, value):
-                        raise _Diverged(
-                            Divergence(
-                                state.step,
-                                state.epoch,
-                                state.batch_idx,
-                                {"loss": (journaled, value)},
-                            ),
-                            after=self.matched["loss"],
+                        raise _Diverged.at(
+                            state, {"loss": (journaled, value)}, after=self.matched["loss"]
                         )
                     compared.add("loss")
         lines = self.expected.get(_key(state.step, state.epoch, state.batch_idx, state.micro_step))
@@ -293,9 +292,7 @@ class _Checker(Listener):
             if diffs:
                 # each differing quantity first differed after the last step where it matched
                 after = min(self.matched[k] for k in diffs)
-                raise _Diverged(
-                    Divergence(state.step, state.epoch, state.batch_idx, diffs), after=after
-                )
+                raise _Diverged.at(state, diffs, after=after)
             compared.update(k for k in ("lr", "fingerprint") if k in line)
             if "loss" in line and loss is not None:
                 compared.add("loss")
@@ -589,17 +586,7 @@ class _Transitions(Listener):
         state = rec.state
         assert state is not None
         for line in self.verify.pop(id(rec.transition), ()):
-            actual = _fingerprint(state, line["fingerprint"])
-            if actual != line["fingerprint"]:
-                raise _Diverged(
-                    Divergence(
-                        state.step,
-                        state.epoch,
-                        state.batch_idx,
-                        {"fingerprint": (line["fingerprint"], actual)},
-                    ),
-                    after=None,
-                )
+            _check_fingerprint(state, line["fingerprint"])
 
     def _due(self, rec: EventRecord) -> list[Transition] | None:
         state = rec.state
