@@ -88,7 +88,9 @@ class _SaveAt(eg.Listener):
         return None
 
 
-def test_checkpoints_are_journaled_with_a_fingerprint_and_a_resume_appends(tmp_path):
+def _fit_then_resume_from_step_3(tmp_path) -> _SaveAt:
+    """One epoch journaled into tmp_path/run with a checkpoint at step 3, then a second fit
+    resumed from it, journaling into the same run directory; returns the saving listener."""
     task, saver = _task(), _SaveAt(3, tmp_path / "ckpt")
     journal = Journal(tmp_path / "run", every_n_steps=5, fingerprint_every_n_steps=0)
     _trainer(tmp_path, max_epochs=1, callbacks=[journal, saver]).fit(
@@ -97,6 +99,11 @@ def test_checkpoints_are_journaled_with_a_fingerprint_and_a_resume_appends(tmp_p
     _trainer(tmp_path, max_epochs=2, callbacks=[Journal(tmp_path / "run", every_n_steps=5)]).fit(
         task, task.init(nn.Linear(3, 1)), _data(), ckpt_path=tmp_path / "ckpt"
     )
+    return saver
+
+
+def test_checkpoints_are_journaled_with_a_fingerprint_and_a_resume_appends(tmp_path):
+    saver = _fit_then_resume_from_step_3(tmp_path)
     lines = Journal.read(tmp_path / "run")
     ckpt = str(tmp_path / "ckpt")
     assert [(x["step"], x.get("checkpoint", False), x.get("start", False)) for x in lines] == [
@@ -320,14 +327,7 @@ def test_journal_lines_hold_every_steps_loss_as_a_raw_rerun_computes_it(tmp_path
 
 
 def test_a_resumed_fit_journals_the_losses_of_its_own_steps(tmp_path):
-    task, saver = _task(), _SaveAt(3, tmp_path / "ckpt")
-    journal = Journal(tmp_path / "run", every_n_steps=5, fingerprint_every_n_steps=0)
-    _trainer(tmp_path, max_epochs=1, callbacks=[journal, saver]).fit(
-        task, task.init(nn.Linear(3, 1)), _data()
-    )
-    _trainer(tmp_path, max_epochs=2, callbacks=[Journal(tmp_path / "run", every_n_steps=5)]).fit(
-        task, task.init(nn.Linear(3, 1)), _data(), ckpt_path=tmp_path / "ckpt"
-    )
+    _fit_then_resume_from_step_3(tmp_path)
     first, again, last = [x for x in Journal.read(tmp_path / "run") if "loss" in x]
     assert (first["step"], again["step"], last["step"]) == (5, 5, 10)
     assert len(first["losses"]) == 5 and len(last["losses"]) == 5
