@@ -638,5 +638,5 @@ def _collect(made: list[tuple[Any, Request]], handle: Any, event: Event, out: An
         who = repr(listener)
     raise TypeError(
         f"{who}.{event.value} returned {out!r}; a handler returns None, a request "
-        "(engine.Stop, engine.Save, engine.Log) or a list or tuple of them"
+        "(engine.Stop, engine.Save, engine.Log, engine.Transition) or a list or tuple of them"
     )
