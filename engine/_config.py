@@ -79,17 +79,13 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...], later: str = "
     return value
 
 
-_LATER = "not supported yet: other values arrive with the device/precision/distributed work"
+_LATER = "not supported yet: other values arrive with the multi-process (DDP/FSDP) work"
 _FLAG = (None, True, False)
 
 # the values each flag accepts now, and why others are refused (empty: they are wrong)
 CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {
-    "accelerator": (("auto", "cpu"), _LATER),
     "strategy": (("auto", "single_device"), _LATER),
-    "devices": (("auto", 1, "1", -1, "-1", [0], (0,)), _LATER),
     "num_nodes": ((1,), _LATER),
-    "precision": ((None, 32, "32", "32-true"), _LATER),
-    "plugins": ((None, []), _LATER),
     "sync_batchnorm": ((False,), _LATER),
     "use_distributed_sampler": ((True, False), ""),
     "inference_mode": ((True, False), ""),
@@ -227,6 +223,51 @@ def check_loggers(value: Any) -> None:
             )
 
 
+def check_plugins(value: Any, precision: Any) -> tuple[Any, ...]:
+    """``plugins``: None, or engine's own objects where Lightning takes its plugins, alone or in
+    a list: a precision (an :class:`engine.transforms.Transform`, used in the precision slot),
+    :class:`engine.transforms.SingleDevice` (placement), :class:`engine.transforms.DetectAnomaly`
+    and a :class:`engine.checkpoint.CheckpointIO`. At most one of each kind; a precision plugin
+    and a ``precision`` flag together are refused, as Lightning refuses them."""
+    from engine.checkpoint import CheckpointIO
+    from engine.transforms import DetectAnomaly, SingleDevice, Transform
+
+    if value is None:
+        return ()
+    items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    seen: dict[str, Any] = {}
+    for item in items:
+        _instance("plugins", value, item)
+        if isinstance(item, CheckpointIO):
+            kind = "checkpoint IO"
+        elif isinstance(item, SingleDevice):
+            kind = "placement"
+        elif isinstance(item, DetectAnomaly):
+            kind = "anomaly detection"
+        elif isinstance(item, Transform):
+            kind = "precision"
+        else:
+            raise ValueError(
+                f"Trainer(plugins={value!r}): {item!r} is not one of engine's plugins; pass a "
+                "precision transform (engine.transforms.MixedPrecision(torch.bfloat16), "
+                "TruePrecision(...)), engine.transforms.SingleDevice(...), "
+                "engine.transforms.DetectAnomaly(...) or an engine.checkpoint.CheckpointIO. "
+                "Lightning's own plugins do not plug into engine"
+            )
+        if kind in seen:
+            raise ValueError(
+                f"Trainer(plugins={value!r}): two {kind} plugins ({seen[kind]!r} and {item!r}); "
+                "pass one"
+            )
+        seen[kind] = item
+    if "precision" in seen and precision is not None:
+        raise ValueError(
+            f"Trainer(precision={precision!r}, plugins=[{seen['precision']!r}]): both set the "
+            "precision; pass one"
+        )
+    return items
+
+
 def check_callbacks(value: Any) -> None:
     """``callbacks``: None, a listener or a list/tuple of them; a listener is an instance with
     a method named after an :class:`~engine.events.Event` (what the Emitter dispatches to), and
@@ -279,8 +320,9 @@ class FlagViews:
     accelerator: str = _flag("accelerator")
     strategy: str = _flag("strategy")
     devices: int | str | tuple[int, ...] = _flag("devices")
+    device: str = _flag("device")
     num_nodes: int = _flag("num_nodes")
-    precision: int | str | None = _flag("precision")
+    precision: str = _flag("precision")
     sync_batchnorm: bool = _flag("sync_batchnorm")
     use_distributed_sampler: bool = _flag("use_distributed_sampler")
     max_epochs: int = _flag("max_epochs")

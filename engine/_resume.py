@@ -61,8 +61,15 @@ class Checkpointer:
     """Checkpoint writing, resolution and restoring for a Trainer's listeners, loggers and
     root directory; the asynchronous saves that replace older checkpoints, until they land."""
 
-    def __init__(self, listeners: Sequence[Any], loggers: Sequence[Any], root: str) -> None:
+    def __init__(
+        self,
+        listeners: Sequence[Any],
+        loggers: Sequence[Any],
+        root: str,
+        io: checkpoint.CheckpointIO | None = None,
+    ) -> None:
         self.listeners, self.loggers, self.root = listeners, loggers, root
+        self.io = io or checkpoint.CheckpointIO()
         # asynchronous saves requested by listeners, with the checkpoints each replaces
         self.in_flight: list[tuple[Future[Any], tuple[str, ...]]] = []
 
@@ -146,7 +153,7 @@ class Checkpointer:
         }
         metrics = dict(run.callback_metrics) if metrics is None else metrics
         if asynchronous:  # its fingerprint is hashed from the snapshot, off the loop (journal)
-            return checkpoint.save_async(
+            return self.io.save_async(
                 run.state,
                 filepath,
                 metrics=metrics,
@@ -154,7 +161,7 @@ class Checkpointer:
                 fingerprint=True,
                 weights_only=weights_only,
             )
-        return checkpoint.save(
+        return self.io.save(
             run.state, filepath, metrics=metrics, extra=extra, weights_only=weights_only
         )
 
@@ -222,7 +229,7 @@ class Checkpointer:
                 "optimizer state a fit continues from. Resume from a full checkpoint, or load "
                 "the weights into the state you start from (checkpoint.load(path, state))"
             )
-        return checkpoint.load(path, template)
+        return self.io.load(path, template)
 
     def restore_run(
         self, path: Path, *, stage: str | None, progress: Progress, reduce: Mapping[str, str] | None
@@ -296,7 +303,7 @@ class Checkpointer:
             self.in_flight.append((out, doomed))
         else:
             for path in doomed:
-                checkpoint.remove(path)
+                self.io.remove(path)
 
     def reap(self, *, wait: bool) -> None:
         """Delete the checkpoints replaced by asynchronous saves that have landed (all of them,
@@ -310,7 +317,7 @@ class Checkpointer:
             if future.cancelled() or future.exception() is not None:
                 continue
             for path in doomed:
-                checkpoint.remove(path)
+                self.io.remove(path)
 
 
 class SignalCatcher:

@@ -67,6 +67,7 @@ from engine.state import TrainState
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
+    "CheckpointIO",
     "clean_leftovers",
     "inspect",
     "load",
@@ -857,3 +858,45 @@ def _jsonable(value: Any, what: str) -> Any:
         )
 
     return pytree.tree_map(check, value)
+
+
+# --------------------------------------------------------------------------- the Trainer's IO
+
+
+class CheckpointIO:
+    """How a Trainer writes, reads and deletes its checkpoints (Lightning's ``CheckpointIO``
+    plugin): ``Trainer(plugins=[MyIO()])``. Each method does what the module function of its
+    name does; override one to add to it (copy a saved checkpoint to other storage, say), and
+    call the base method to keep the format's guarantees (atomic, verified).
+
+    Example:
+        >>> import shutil
+        >>> class Mirrored(CheckpointIO):  # keeps a second copy of every synchronous save
+        ...     def __init__(self, mirror):
+        ...         self.mirror = mirror
+        ...     def save(self, state, path, **kwargs):
+        ...         out = super().save(state, path, **kwargs)
+        ...         shutil.copytree(out, f"{self.mirror}/{out.name}", dirs_exist_ok=True)
+        ...         return out
+    """
+
+    def save(self, state: TrainState, path: str | os.PathLike[str], **kwargs: Any) -> Path:
+        """:func:`save` (``metrics``, ``extra``, ``fingerprint``, ``weights_only``)."""
+        return save(state, path, **kwargs)
+
+    def save_async(
+        self, state: TrainState, path: str | os.PathLike[str], **kwargs: Any
+    ) -> Future[Path]:
+        """:func:`save_async`."""
+        return save_async(state, path, **kwargs)
+
+    def load(self, path: str | os.PathLike[str], template: TrainState) -> TrainState:
+        """:func:`load`."""
+        return load(path, template)
+
+    def remove(self, path: str | os.PathLike[str]) -> None:
+        """:func:`remove`."""
+        remove(path)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

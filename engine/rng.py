@@ -45,7 +45,10 @@ def derive_seed(seed: int, step: int, micro_step: int = 0, stream: int = TRAIN) 
 
 
 class seeded:
-    """Run the body with the CPU (and given CUDA) generators seeded, then restore them.
+    """Run the body with the CPU (and given accelerator) generators seeded, then restore them.
+
+    ``cuda_devices`` names the CUDA devices whose generators are seeded too; ``"mps"`` in it
+    stands for Apple's MPS generator.
 
     This is :func:`torch.random.fork_rng` reduced to what a step needs: ``fork_rng`` looks up
     the accelerator module on every entry, which costs more than the rest of a small compiled
@@ -63,14 +66,17 @@ class seeded:
 
     __slots__ = ("_saved", "cuda_devices", "seed")
 
-    def __init__(self, seed: int, cuda_devices: Sequence[int] = ()) -> None:
+    def __init__(self, seed: int, cuda_devices: Sequence[int | str] = ()) -> None:
         self.seed = seed
         self.cuda_devices = cuda_devices
         self._saved: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def __enter__(self) -> None:
         gens = [torch.random.default_generator]
-        gens += [torch.cuda.default_generators[d] for d in self.cuda_devices]
+        for d in self.cuda_devices:
+            gens.append(
+                _mps_generator() if isinstance(d, str) else torch.cuda.default_generators[d]
+            )
         self._saved = [(g, g.get_state()) for g in gens]
         for g in gens:
             g.manual_seed(self.seed)
@@ -79,3 +85,7 @@ class seeded:
         for g, state in self._saved:
             g.set_state(state)
         self._saved = []
+
+
+def _mps_generator() -> torch.Generator:
+    return torch.mps._get_default_mps_generator()

@@ -215,7 +215,8 @@ class TrainState:
     # ------------------------------------------------------------------ inspection
 
     def fingerprint(self, algorithm: str = "xxh3_128") -> str:
-        """A hex digest of the bits of params, buffers, optimizer state and counters.
+        """A hex digest of the bits of params, buffers, optimizer state, precision state (a
+        loss scale) and counters.
 
         Two states have equal fingerprints exactly when those hold bitwise-identical values
         (same names, shapes, dtypes and bytes). Replay compares fingerprints to verify a run.
@@ -248,6 +249,11 @@ class TrainState:
         for path, leaf in pytree.tree_flatten_with_path(self.opt_state)[0]:
             h.update(pytree.keystr(path).encode())
             _hash_leaf(h, leaf)
+        if self.precision is not None:  # a loss scale (absent: the digest states had before)
+            leaves = pytree.tree_flatten_with_path(self.precision)[0]
+            for key, leaf in sorted((pytree.keystr(p), x) for p, x in leaves):  # dicts' order
+                h.update(b"precision" + key.encode())  # is not kept by a checkpoint's JSON
+                _hash_leaf(h, leaf)
         return h.hexdigest()
 
     def num_params(self) -> int:

@@ -189,9 +189,10 @@ def _set_mode(module: nn.Module | None, training: bool) -> None:
         module.train(training)
 
 
-def _cuda_devices(state: TrainState) -> tuple[int, ...]:
+def _cuda_devices(state: TrainState) -> tuple[int | str, ...]:
+    """The accelerator generators a step on this state seeds besides the CPU's."""
     for p in state.params.values():
-        return (p.get_device(),) if p.is_cuda else ()
+        return (p.get_device(),) if p.is_cuda else ("mps",) if p.is_mps else ()
     return ()
 
 
@@ -268,7 +269,9 @@ Forward = Callable[[], "tuple[Tensor, Mapping[str, Any]]"]
 GradFn = Callable[
     [Forward, "list[Tensor]", int, Any], "tuple[tuple[Tensor, ...], Tensor, Mapping[str, Any]]"
 ]
-UpdateFn = Callable[[dict[str, Tensor], dict[str, Tensor], Any, Any, int], "tuple[Any, Any]"]
+UpdateFn = Callable[
+    [dict[str, Tensor], dict[str, Tensor], Any, Any, int], "tuple[Any, Any, Mapping[str, Tensor]]"
+]
 
 
 def grad_core(
@@ -293,19 +296,20 @@ def update_core(
     tx: GradientTransformation, gradients: GradientTransformation | None = None
 ) -> UpdateFn:
     """The optimizer application every train step ends with:
-    ``update(grads, params, opt_state, precision, step) -> (opt_state, precision)``, running
-    the stateless ``gradients`` chain (clipping, later an all-reduce) before ``tx`` and writing
-    the parameters in place. Step transforms wrap it (``wrap_update``): a loss scale's unscale,
-    finite check and skipped step, with its state in ``precision``."""
+    ``update(grads, params, opt_state, precision, step) -> (opt_state, precision, metrics)``,
+    running the stateless ``gradients`` chain (clipping, later an all-reduce) before ``tx`` and
+    writing the parameters in place. Step transforms wrap it (``wrap_update``): a loss scale's
+    unscale, finite check and skipped step, with its state in ``precision`` and the skip in
+    ``metrics`` (which this function leaves empty: the step's metrics are merged with them)."""
 
     def update(grads, params, opt_state, precision, step):
         if gradients is not None:
             grads, _ = gradients.update(grads, (), params, step)
         if tx.apply is not None:
-            return tx.apply(grads, opt_state, params, step), precision
+            return tx.apply(grads, opt_state, params, step), precision, {}
         updates, opt_state = tx.update(grads, opt_state, params, step)
         apply_updates(params, updates)
-        return opt_state, precision
+        return opt_state, precision, {}
 
     return update
 
@@ -332,7 +336,7 @@ class TrainStep:
         grad_fn: GradFn | None = None,
         update_fn: UpdateFn | None = None,
         wrap_core: Callable[[Callable], Callable] | None = None,
-        rng_devices: Callable[[TrainState], tuple[int, ...]] | None = None,
+        rng_devices: Callable[[TrainState], tuple[int | str, ...]] | None = None,
     ) -> None:
         self.loss_fn = loss_fn
         self.tx = tx
@@ -369,7 +373,11 @@ class TrainStep:
                 # Lightning's grad_norm(..., norm_type=2)["grad_2.0_norm_total"], before clipping
                 norms = torch._foreach_norm(list(grads.values()))
                 metrics["grad_norm"] = torch.linalg.vector_norm(torch.stack(norms))
-            opt_state, precision = self._update_fn(grads, params, opt_state, precision, step)
+            opt_state, precision, reported = self._update_fn(
+                grads, params, opt_state, precision, step
+            )
+        if reported:
+            metrics.update(reported)
         return opt_state, precision, metrics
 
     def _accumulate_core(self, module, params, buffers, precision, grad_accum, batch):
@@ -545,7 +553,7 @@ class CustomStep:
         self,
         fn: Callable[[TrainState, Batch], tuple[TrainState, Mapping[str, Any]]],
         *,
-        rng_devices: Callable[[TrainState], tuple[int, ...]] | None = None,
+        rng_devices: Callable[[TrainState], tuple[int | str, ...]] | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"a custom train step must be callable (got {type(fn).__name__})")
@@ -596,7 +604,7 @@ class _InferenceStep(Generic[Out]):
         inference_mode: bool,
         compile: bool | Mapping[str, Any] = False,
         wrap_core: Callable[[Callable], Callable] | None = None,
-        rng_devices: Callable[[TrainState], tuple[int, ...]] | None = None,
+        rng_devices: Callable[[TrainState], tuple[int | str, ...]] | None = None,
     ) -> None:
         self.fn = fn
         self.inference_mode = inference_mode

@@ -70,9 +70,12 @@ class Trainer(FlagViews):
     eval steps; ``enable_journal`` (default ``True``, off with ``barebones`` and
     ``fast_dev_run``) adds a :class:`~engine.listeners.Journal`, so each fit leaves a run
     directory that :func:`engine.replay` can re-execute and check bitwise. The flags
-    ``accelerator``, ``strategy``, ``devices``, ``num_nodes``, ``precision``, ``plugins``,
-    ``sync_batchnorm`` and ``use_distributed_sampler`` accept their single-process CPU values
-    now; other values raise an error saying so.
+    ``precision`` takes Lightning's six precisions and their aliases
+    (:mod:`engine.transforms.precision`), ``accelerator`` / ``devices`` one CPU, CUDA or MPS
+    device (:mod:`engine.transforms.devices`); ``plugins`` takes engine's precision transforms,
+    placement, anomaly detection and :class:`~engine.checkpoint.CheckpointIO`. ``strategy``,
+    ``num_nodes`` and ``sync_batchnorm`` accept their single-process values until DDP and FSDP
+    land; other values raise an error saying so.
 
     The flags are checked and resolved once, into ``trainer.config`` (a frozen
     :class:`~engine.loop.LoopConfig`: Lightning's defaults filled in, ``fast_dev_run`` and
@@ -140,6 +143,32 @@ class Trainer(FlagViews):
         flags = {name: value for name, value in locals().items() if name != "self"}
         # every flag checked and resolved, once; the loop and the listeners read this record
         self.config = loop.resolve(**flags)
+        plugged = (
+            ()
+            if plugins is None
+            else tuple(plugins)
+            if isinstance(plugins, (list, tuple))
+            else (plugins,)
+        )
+        # the step transforms and checkpoint IO the flags and plugins ask for (checked above)
+        self._placement = next(
+            (p for p in plugged if isinstance(p, transforms.SingleDevice)),
+            transforms.SingleDevice(self.config.device),
+        )
+        self._anomaly = next(
+            (p for p in plugged if isinstance(p, transforms.DetectAnomaly)),
+            transforms.DetectAnomaly() if self.config.detect_anomaly else None,
+        )
+        self._precision = next(
+            (
+                p
+                for p in plugged
+                if isinstance(p, transforms.Transform)
+                and not isinstance(p, (transforms.SingleDevice, transforms.DetectAnomaly))
+            ),
+            None,
+        ) or transforms.precision_transform(self.config.precision)
+        io = next((p for p in plugged if isinstance(p, checkpoint.CheckpointIO)), None)
         # fast_dev_run and barebones log nowhere (a barebones logger is refused by resolve)
         quiet = self.config.fast_dev_run or self.config.barebones
         self.loggers = [] if quiet else self._build_loggers(logger)
@@ -169,7 +198,7 @@ class Trainer(FlagViews):
         self._view_state: TrainState | None = None  # ... the state it was built for
         self._view_version = -1  # ... and the version
         # checkpoints: written, resolved, restored; handed the run's record on each call
-        self._checkpointer = Checkpointer(self.callbacks, self.loggers, self.default_root_dir)
+        self._checkpointer = Checkpointer(self.callbacks, self.loggers, self.default_root_dir, io)
         self._signals = SignalCatcher()  # SIGTERM / SIGINT received during fit
         self._profiler = Profiler(self.config.profiler)
         self.ckpt_path: str | None = None  # the checkpoint the current run resumed from
@@ -255,6 +284,21 @@ class Trainer(FlagViews):
     def profile(self) -> dict[str, list[float]]:
         """The simple profiler's timings of the last run, by action (``profiler="simple"``)."""
         return self._profiler.profile
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device the run lives on (Lightning's ``trainer.strategy.root_device``)."""
+        return self._placement.device
+
+    @property
+    def num_devices(self) -> int:
+        """How many devices the run uses: one (multi-device strategies are still to come)."""
+        return 1
+
+    @property
+    def device_ids(self) -> list[int]:
+        """The indices of the devices the run uses (Lightning's ``trainer.device_ids``)."""
+        return [self.root_device.index or 0]
 
     @property
     def global_step(self) -> int:
@@ -528,8 +572,9 @@ class Trainer(FlagViews):
         stack = contextlib.ExitStack()
         if stage == "fit":
             stack.enter_context(self._signals.catching())
-        if self.detect_anomaly:
-            stack.enter_context(torch.autograd.detect_anomaly())
+        if self.deterministic and self.root_device.type == "cuda":
+            # cuBLAS is deterministic only with a fixed workspace (set before its first use)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         if self.deterministic is not None:
             previous = torch.are_deterministic_algorithms_enabled()
             previous_warn = torch.is_deterministic_algorithms_warn_only_enabled()
@@ -537,9 +582,12 @@ class Trainer(FlagViews):
                 bool(self.deterministic), warn_only=self.deterministic == "warn"
             )
             stack.callback(torch.use_deterministic_algorithms, previous, warn_only=previous_warn)
-        if self.benchmark is not None:
+        benchmark = self.benchmark
+        if benchmark is None and self.deterministic:
+            benchmark = False  # as Lightning: cudnn's autotuner picks kernels by timing
+        if benchmark is not None:
             previous_bm = torch.backends.cudnn.benchmark
-            torch.backends.cudnn.benchmark = self.benchmark
+            torch.backends.cudnn.benchmark = benchmark
             stack.callback(setattr, torch.backends.cudnn, "benchmark", previous_bm)
         profiler = self._profiler.run(stage, self.log_dir or self.default_root_dir)
         stack.enter_context(profiler)
@@ -552,8 +600,12 @@ class Trainer(FlagViews):
         with stack:
             self._emit(Event.SETUP)
             try:
+                # the run's step transforms; the state placed and cast once, before a
+                # checkpoint is restored into it (so it is read straight into that form)
+                self._transforms = self._pipeline(fit=stage == "fit")
+                self._state = self._transforms.prepare(state)
                 if ckpt_path is not None:
-                    self._restore(ckpt_path, state)
+                    self._restore(ckpt_path, self._state)
                 yield
             except BaseException as e:
                 self._emit(Event.ON_EXCEPTION, exception=e)
@@ -647,10 +699,13 @@ class Trainer(FlagViews):
                 clip_by_global_norm if self.gradient_clip_algorithm == "norm" else clip_by_value
             )(float(self.gradient_clip_val))
         return transforms.compose(
+            placement=self._placement,
+            precision=self._precision,
             observe=self._observer() if fit else None,
             clip=clip,
             accumulate=self.accumulate_grad_batches,
             compile=self.compile,
+            detect_anomaly=self._anomaly or False,
         )
 
     def _observer(self) -> transforms.Observe | None:
@@ -698,9 +753,8 @@ class Trainer(FlagViews):
     def _fit(self, task: Task, train_loader: Any, val_loaders: list[Any], dm: Any) -> None:
         if task.step_fn is not None:
             _check_custom_step(self)
-        pipeline = self._transforms = self._pipeline(fit=True)
+        pipeline = self._transforms
         assert self._state is not None
-        self._state = pipeline.prepare(self._state)
         step = self._profiler.timed("train_step", task.train_step(transforms=pipeline))
         evaluate = (  # built only when there is something to validate (fit has no loaders
             # to add later), so a task without an evaluation function fits without one
@@ -872,14 +926,13 @@ class Trainer(FlagViews):
             self.num_val_batches = limits
         else:
             self.num_test_batches = limits
-        self._transforms = self._pipeline()
-        step = self._profiler.timed(
-            f"{kind}_step",
-            (task.eval_step if kind == "validation" else task.test_step)(
-                transforms=self._transforms, inference_mode=self.inference_mode
-            ),
-        )
         with self._run(stage, task, state, ckpt_path):
+            step = self._profiler.timed(
+                f"{kind}_step",
+                (task.eval_step if kind == "validation" else task.test_step)(
+                    transforms=self._transforms, inference_mode=self.inference_mode
+                ),
+            )
             results = self._evaluate(kind, step, loaders, limits, log=True)
         if verbose and not self.barebones:
             _print_results(stage, results)
@@ -905,14 +958,13 @@ class Trainer(FlagViews):
             for dl in loaders
         ]
         self.num_predict_batches = limits
-        self._transforms = self._pipeline()
-        step = self._profiler.timed(
-            "predict_step",
-            task.predict_step(transforms=self._transforms, inference_mode=self.inference_mode),
-        )
         keep = return_predictions is not False
         outputs: list[list[Any]] = []
         with self._run("predict", task, state, ckpt_path):
+            step = self._profiler.timed(
+                "predict_step",
+                task.predict_step(transforms=self._transforms, inference_mode=self.inference_mode),
+            )
             self._emit(Event.ON_PREDICT_START)
             self._emit(Event.ON_PREDICT_EPOCH_START)
             for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):

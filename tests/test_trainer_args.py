@@ -14,6 +14,7 @@ import pathlib
 from datetime import timedelta
 
 import pytest
+import torch
 
 import engine as eg
 from engine.listeners import EarlyStopping, LearningRateMonitor, Timer
@@ -56,11 +57,11 @@ _BOOL_FLAG = [0, 1, "yes", "False", 1.0]
 
 # flag -> values that must raise ValueError naming the flag
 BAD: dict[str, list[object]] = {
-    "accelerator": [None, 1, True, "cpus", "CPU ", ["cpu"]],
+    "accelerator": [None, 1, True, "cpus", "CPU ", ["cpu"], "tpu", "hpu"],
     "strategy": [None, 0, "single", ["auto"]],
-    "devices": [0, 1.0, True, "two", -2, [0.0], [True], (0.0,)],
+    "devices": [0, 1.0, True, "two", -2, [0.0], [True], (0.0,), 2, [0, 1], "0,1", [1], []],
     "num_nodes": [0, -1, 1.0, True, "1"],
-    "precision": [32.0, "fp32", True, 0, "32-bit"],
+    "precision": [32.0, "fp32", True, 0, "32-bit", 8, "16-MIXED", "bf16-Mixed", "transformer"],
     "logger": [
         "tensorboard",
         1,
@@ -127,7 +128,7 @@ BAD: dict[str, list[object]] = {
     "profiler": [1, True, "simpel"],
     "detect_anomaly": ["on", 1, None],
     "barebones": [1, None, "yes"],
-    "plugins": [1, True, "", ()],
+    "plugins": [1, True, "", ["bitsandbytes"], object()],
     "sync_batchnorm": [None, 0, "no"],
     "reload_dataloaders_every_n_epochs": [-1, 1.0, True, "1", None],
     "default_root_dir": [123, 0, False, 1.5, b"/tmp", ["/tmp"], _BytesPath()],
@@ -148,9 +149,24 @@ BAD: dict[str, list[object]] = {
 GOOD: dict[str, list[object]] = {
     "accelerator": ["auto", "cpu"],
     "strategy": ["auto", "single_device"],
-    "devices": ["auto", 1, "1", -1, "-1", [0], (0,)],
+    "devices": ["auto", 1, "1", -1, "-1", [0], (0,), "0,"],
     "num_nodes": [1],
-    "precision": [None, 32, "32", "32-true"],
+    "precision": [
+        None,
+        32,
+        "32",
+        "32-true",
+        64,
+        "64",
+        "64-true",
+        16,
+        "16",
+        "16-mixed",
+        "bf16",
+        "bf16-mixed",
+        "16-true",
+        "bf16-true",
+    ],
     "logger": [
         None,
         True,
@@ -204,7 +220,14 @@ GOOD: dict[str, list[object]] = {
     "profiler": [None, "simple", "pytorch"],
     "detect_anomaly": [True, False],
     "barebones": [True, False],
-    "plugins": [None, []],
+    "plugins": [
+        None,
+        [],
+        (),
+        eg.transforms.MixedPrecision(torch.bfloat16),
+        [eg.transforms.TruePrecision(torch.float64), eg.checkpoint.CheckpointIO()],
+        [eg.transforms.SingleDevice("cpu"), eg.transforms.DetectAnomaly()],
+    ],
     "sync_batchnorm": [False],
     "reload_dataloaders_every_n_epochs": [0, 1, 5],
     "default_root_dir": [None, "", "tmp", "path", "pathlike"],  # built in the test

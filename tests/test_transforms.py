@@ -203,9 +203,9 @@ class _LossScale(Transform):
             inv = scale.double().reciprocal().float()
             torch._amp_foreach_non_finite_check_and_unscale_(list(grads.values()), found_inf, inv)
             if not found_inf.item():  # a skipped step leaves parameters and optimizer state alone
-                opt_state, _ = inner(grads, params, opt_state, precision, step)
+                opt_state, _, _ = inner(grads, params, opt_state, precision, step)
             torch._amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, self.growth_interval)
-            return opt_state, {"scale": scale, "growth_tracker": tracker}
+            return opt_state, {"scale": scale, "growth_tracker": tracker}, {}
 
         return update
 

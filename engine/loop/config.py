@@ -28,16 +28,20 @@ class LoopConfig:
     ``num_sanity_val_steps`` is 2 when not given and ``inf`` for -1; limits are 1.0 when not
     given; ``val_check_interval`` is 1.0 when not given; ``log_every_n_steps`` is 50;
     ``gradient_clip_algorithm`` is ``"norm"``; the ``enable_*`` flags are bools;
+    ``precision`` is Lightning's canonical name (``16`` -> ``"16-mixed"``, ``None`` ->
+    ``"32-true"``); ``device`` is the one device ``accelerator`` and ``devices`` resolve to
+    (``"cpu"``, ``"cuda:0"``, ``"mps"``);
     ``fast_dev_run`` is an int (0: off) and, like ``barebones``, has already overridden the
     flags it implies.
     """
 
-    # placement and scale-out (single-process CPU values until their own work lands)
+    # placement, precision and scale-out (single-process until DDP/FSDP land)
     accelerator: str = "auto"
     strategy: str = "auto"
     devices: int | str | tuple[int, ...] = "auto"
+    device: str = "cpu"
     num_nodes: int = 1
-    precision: int | str | None = None
+    precision: str = "32-true"
     sync_batchnorm: bool = False
     use_distributed_sampler: bool = True
     # loop limits

@@ -18,6 +18,8 @@ from typing import Any
 
 from engine import _config as cfg
 from engine.loop.config import LoopConfig
+from engine.transforms import SingleDevice, Transform, canonical_precision, precision_transform
+from engine.transforms.devices import resolve_device
 
 __all__ = ["resolve"]
 
@@ -95,6 +97,9 @@ def resolve(
     # -- flags with a fixed set of values (placement and scale-out: single-process CPU until
     # their own issues land; _config.CHOICES)
     cfg.check_choices(**{name: flags[name] for name in cfg.CHOICES})
+    plugged = cfg.check_plugins(plugins, precision)
+    precision_name = _precision(precision, plugged)
+    device = resolve_device(accelerator, devices)
     cfg.check_compile(compile)
     cfg.check_clip_val(gradient_clip_val)
     cfg.check_loggers(logger)
@@ -109,8 +114,9 @@ def resolve(
         accelerator=accelerator,
         strategy=strategy,
         devices=devices if isinstance(devices, (int, str)) else tuple(devices),
+        device=str(_placed(plugged) or device),
         num_nodes=num_nodes,
-        precision=precision,
+        precision=precision_name,
         sync_batchnorm=sync_batchnorm,
         use_distributed_sampler=use_distributed_sampler,
         barebones=barebones,
@@ -128,6 +134,30 @@ def resolve(
         default_root_dir=cfg.root_dir(default_root_dir),
         **resolved,
     )
+
+
+def _precision(flag: Any, plugins: tuple[Any, ...]) -> str:
+    """The precision's canonical name (Lightning's ``trainer.precision``): the flag's, or the
+    plugin's when it is one of engine's with its defaults, else its repr."""
+    from engine.transforms import DetectAnomaly
+
+    plugged = [
+        p
+        for p in plugins
+        if isinstance(p, Transform) and not isinstance(p, (SingleDevice, DetectAnomaly))
+    ]
+    if not plugged:
+        name = canonical_precision(flag)
+        precision_transform(name)  # refuses transformer-engine when it is not installed
+        return name
+    for name in ("64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"):
+        if repr(precision_transform(name)) == repr(plugged[0]):
+            return name
+    return repr(plugged[0])
+
+
+def _placed(plugins: tuple[Any, ...]) -> Any:
+    return next((p.device for p in plugins if isinstance(p, SingleDevice)), None)
 
 
 def _loop_limits(flags: dict[str, Any]) -> dict[str, Any]:

@@ -22,16 +22,32 @@ from engine.transforms.common import (
 )
 from engine.transforms.compose import Pipeline, compose
 from engine.transforms.observe import Observe
+from engine.transforms.precision import (
+    PRECISIONS,
+    DynamicLossScale,
+    MixedPrecision,
+    TransformerEngine,
+    TruePrecision,
+    canonical_precision,
+    precision_transform,
+)
 
 __all__ = [
+    "PRECISIONS",
     "Clip",
     "Compile",
     "DetectAnomaly",
+    "DynamicLossScale",
     "Float32",
+    "MixedPrecision",
     "Observe",
     "Pipeline",
     "SingleDevice",
     "SingleProcess",
     "Transform",
+    "TransformerEngine",
+    "TruePrecision",
+    "canonical_precision",
     "compose",
+    "precision_transform",
 ]

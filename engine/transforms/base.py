@@ -74,7 +74,8 @@ class Transform:
         return None
 
     def wrap_update(self, update_fn: UpdateFn) -> UpdateFn:
-        """The update ``update_fn(grads, params, opt_state, precision, step)``."""
+        """The update ``update_fn(grads, params, opt_state, precision, step) -> (opt_state,
+        precision, metrics)``: ``metrics`` (tensors) join the step's own."""
         return update_fn
 
     def wrap_core(self, core: Callable) -> Callable:

@@ -22,9 +22,19 @@ class SingleDevice(Transform):
     """One device for the state and the batches (the CPU by default).
 
     ``prepare`` moves every tensor of the state there (a state already there is returned as
-    it is); ``move`` moves a batch's tensors there (``non_blocking`` on CUDA). On the CPU, batches
-    are left where they are: moving costs a traversal of the batch every step, and a CPU run's
-    batches are on the CPU.
+    it is); ``move`` moves a batch's tensors there. On the CPU, batches are left where they are:
+    moving costs a traversal of the batch every step, and a CPU run's batches are on the CPU.
+
+    On CUDA a CPU tensor is copied from pinned memory with ``non_blocking=True``, so the copy
+    overlaps the previous step's kernels (a ``DataLoader(pin_memory=True)`` pins in its workers;
+    otherwise ``move`` pins the tensor first). A batch is walked as torch's pytrees (tuples,
+    lists, dicts, named tuples); any other object with a ``to(device)`` method is moved with it,
+    as Lightning moves them.
+
+    Args:
+        device: where the run lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``).
+        transfer: ``fn(batch, device) -> batch``, for batch types the walk above does not reach
+            (Lightning's ``transfer_batch_to_device``); it replaces the walk.
 
     Example:
         >>> import torch
@@ -32,7 +42,12 @@ class SingleDevice(Transform):
         (tensor([1., 1.]), 'label')
     """
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        *,
+        transfer: Callable[[Any, torch.device], Any] | None = None,
+    ) -> None:
         try:
             self.device = torch.device(device)
         except (RuntimeError, TypeError) as e:
@@ -40,6 +55,11 @@ class SingleDevice(Transform):
                 f"SingleDevice({device!r}): not a device torch knows ({e}); pass e.g. 'cpu', "
                 "'cuda', 'cuda:1' or 'mps'"
             ) from None
+        if transfer is not None and not callable(transfer):
+            raise TypeError(
+                f"SingleDevice(transfer={transfer!r}): pass a function (batch, device) -> batch"
+            )
+        self.transfer = transfer
 
     def prepare(self, state: TrainState) -> TrainState:
         device = self.device
@@ -68,15 +88,29 @@ class SingleDevice(Transform):
         return moved
 
     def move(self, batch: Any) -> Any:
+        if self.transfer is not None:
+            return self.transfer(batch, self.device)
         if self.device.type == "cpu":
             return batch
-        non_blocking = self.device.type == "cuda"
-        return pytree.tree_map(
-            lambda x: x.to(self.device, non_blocking=non_blocking) if isinstance(x, Tensor) else x,
-            batch,
-        )
+        return pytree.tree_map(self._leaf, batch)
 
-    def rng_devices(self, state: TrainState) -> tuple[int, ...]:
+    def _leaf(self, x: Any) -> Any:
+        device = self.device
+        if isinstance(x, Tensor):
+            if device.type == "cuda" and x.device.type == "cpu":
+                if not x.is_pinned():
+                    x = x.pin_memory()
+                return x.to(device, non_blocking=True)
+            return x.to(device)
+        to = getattr(x, "to", None)
+        if callable(to) and not isinstance(x, (str, bytes, type)):
+            return to(device)
+        return x
+
+    def rng_devices(self, state: TrainState) -> tuple[int | str, ...]:
+        """The accelerator generators a step seeds besides the CPU's: a CUDA index or ``"mps"``."""
+        if self.device.type == "mps":
+            return ("mps",)
         if self.device.type != "cuda":
             return ()
         return (

@@ -188,7 +188,7 @@ class Pipeline:
             core = t.wrap_core(core)
         return core
 
-    def rng_devices(self, state: TrainState) -> tuple[int, ...]:
+    def rng_devices(self, state: TrainState) -> tuple[int | str, ...]:
         """The CUDA devices whose generators a step seeds besides the CPU's."""
         for t in self.transforms:
             devices = getattr(t, "rng_devices", None)

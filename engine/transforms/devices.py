@@ -1,0 +1,156 @@
+"""Lightning's ``accelerator`` and ``devices`` flags, resolved to the one device a run uses.
+
+=================  ==========================================================================
+``accelerator``    ``"auto"`` (CUDA if available, else MPS, else the CPU), ``"cpu"``,
+                   ``"gpu"`` / ``"cuda"``, ``"mps"``
+``devices``        ``1`` (or ``"1"``), ``"auto"``, ``-1`` (or ``"-1"``: all, which must be one),
+                   a list ``[i]`` or a string ``"i,"`` naming device ``i``
+=================  ==========================================================================
+
+More than one device needs a multi-process strategy (DDP, FSDP), which engine does not have yet:
+asking for one is an error that says so. ``devices="auto"`` means one device until then
+(Lightning's ``"auto"`` takes every GPU, which would need one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["ACCELERATORS", "available_accelerators", "resolve_device"]
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+# Lightning names these; engine runs none of them
+_ELSEWHERE = ("tpu", "hpu", "ipu", "xla", "xpu", "neuron")
+_MULTI = (
+    "more than one device needs a multi-process strategy (DDP or FSDP), which engine does not "
+    "have yet; pass devices=1 (or a list with one index, devices=[1])"
+)
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _mps() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
+def available_accelerators() -> list[str]:
+    """What this machine offers, e.g. ``["cuda:0 (NVIDIA H200)", "cpu"]``, for error messages."""
+    found = [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(_cuda_count())]
+    if _mps():
+        found.append("mps")
+    return [*found, "cpu"]
+
+
+def _indices(devices: Any) -> list[int] | int | None:
+    """``devices`` as a list of indices, a count, or ``None`` for "auto"/-1 ("all")."""
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto" or text == "-1":
+            return None
+        if "," in text:
+            parts = [p.strip() for p in text.split(",") if p.strip()]
+            if parts and all(p.isdigit() for p in parts):
+                return [int(p) for p in parts]
+        elif text.isdigit():
+            return int(text)
+    elif isinstance(devices, bool):
+        pass
+    elif isinstance(devices, int):
+        if devices == -1:
+            return None
+        if devices >= 1:
+            return devices
+    elif (
+        isinstance(devices, Sequence)
+        and devices
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in devices)
+    ):
+        return list(devices)
+    raise ValueError(
+        f"Trainer(devices={devices!r}): pass 1, 'auto', -1, a list of one device index such as "
+        "[0], or a string such as '0,'"
+    )
+
+
+def resolve_device(accelerator: Any = "auto", devices: Any = "auto") -> torch.device:
+    """The device a run on ``accelerator`` with ``devices`` uses (Lightning's flags).
+
+    Raises:
+        ValueError: for an accelerator engine does not run on, one this machine does not have
+            (the message lists what it has), an index past the devices found, or more than one
+            device.
+
+    Example:
+        >>> resolve_device("cpu", 1)
+        device(type='cpu')
+        >>> resolve_device("cpu", 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: Trainer(devices=2): more than one device needs a multi-process strategy ...
+    """
+    if not isinstance(accelerator, str):
+        raise ValueError(
+            f"Trainer(accelerator={accelerator!r}): accepted values are "
+            f"{', '.join(map(repr, ACCELERATORS))}"
+        )
+    name = accelerator.lower()
+    if name in _ELSEWHERE:
+        raise ValueError(
+            f"Trainer(accelerator={accelerator!r}): engine runs on the CPU, NVIDIA GPUs ('gpu' / "
+            f"'cuda') and Apple's MPS; {accelerator!r} is not supported"
+        )
+    if name not in ACCELERATORS:
+        raise ValueError(
+            f"Trainer(accelerator={accelerator!r}): accepted values are "
+            f"{', '.join(map(repr, ACCELERATORS))}"
+        )
+    wanted = _indices(devices)
+    if name == "auto":
+        name = "cuda" if _cuda_count() else "mps" if _mps() else "cpu"
+    if name == "gpu":
+        name = "cuda" if _cuda_count() or not _mps() else "mps"
+    found = ", ".join(available_accelerators())
+    if name == "cuda":
+        count = _cuda_count()
+        if count == 0:
+            raise ValueError(
+                f"Trainer(accelerator={accelerator!r}): no CUDA GPU is available (torch "
+                f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); this machine "
+                f"has: {found}. Pass accelerator='cpu' or 'auto'"
+            )
+        if wanted is None:  # "auto" or -1
+            if devices in (-1, "-1") and count > 1:
+                raise ValueError(f"Trainer(devices={devices!r}): {count} GPUs found; {_MULTI}")
+            return torch.device("cuda", 0)
+        if isinstance(wanted, int):
+            if wanted > 1:
+                raise ValueError(f"Trainer(devices={devices!r}): {_MULTI}")
+            return torch.device("cuda", 0)
+        if len(wanted) > 1:
+            raise ValueError(f"Trainer(devices={devices!r}): {_MULTI}")
+        if wanted[0] >= count:
+            raise ValueError(
+                f"Trainer(devices={devices!r}): there is no CUDA device {wanted[0]}; this "
+                f"machine has: {found}"
+            )
+        return torch.device("cuda", wanted[0])
+    if name == "mps" and not _mps():
+        raise ValueError(
+            f"Trainer(accelerator={accelerator!r}): MPS is not available; this machine has: "
+            f"{found}. Pass accelerator='cpu' or 'auto'"
+        )
+    # the CPU and MPS: one device, index 0
+    if (isinstance(wanted, int) and wanted > 1) or (isinstance(wanted, list) and len(wanted) > 1):
+        raise ValueError(f"Trainer(devices={devices!r}): {_MULTI}")
+    if isinstance(wanted, list) and wanted[0] != 0:
+        raise ValueError(
+            f"Trainer(devices={devices!r}): {name} has one device, index 0; this machine has: "
+            f"{found}"
+        )
+    return torch.device(name)
