@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 
 from engine import checkpoint
 from engine._pickling import load_skeleton, loads_code
@@ -247,9 +246,11 @@ class _Checker(Listener):
     def on_train_batch_start(self, rec: EventRecord) -> None:
         assert rec.state is not None
         self.current = rec.state.step + 1
-        if self.detect_anomaly:
-            lo, hi = self.span
-            torch.autograd.set_detect_anomaly(lo <= self.current <= hi)
+
+    def in_span(self) -> bool:
+        """Whether the step being executed is one anomaly detection was asked for."""
+        lo, hi = self.span
+        return self.detect_anomaly and lo <= self.current <= hi
 
     def on_train_batch_end(self, rec: EventRecord) -> None:
         state = rec.state
@@ -489,7 +490,29 @@ def _load_run(root: Path, data: Any) -> tuple[Any, TrainState, Any, dict[str, An
             )
         data = loads_code((root / DATA).read_bytes())
     config = json.loads((root / CONFIG).read_text()) if (root / CONFIG).is_file() else {}
-    return task, template, data, {k: config[k] for k in _REPLAYED_FLAGS if k in config}
+    return task, template, data, _flags(config)
+
+
+def _flags(config: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer flags of the recorded run that decide what its steps compute: those of
+    ``_REPLAYED_FLAGS``, its precision and the device it ran on (the one resolved then)."""
+    from engine.transforms import PRECISIONS
+
+    flags = {k: config[k] for k in _REPLAYED_FLAGS if k in config}
+    precision = config.get("precision")
+    if precision is not None:  # absent or None: a run before precisions, in float32
+        if precision not in PRECISIONS and precision not in (32, "32"):
+            raise ReplayError(
+                f"the run's precision was the plugin {precision}, which replay cannot rebuild "
+                "from config.json; replay runs with precision flags such as 'bf16-mixed'"
+            )
+        flags["precision"] = precision
+    device = config.get("device")
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        flags["accelerator"] = kind
+        flags["devices"] = [int(index)] if index else 1
+    return flags
 
 
 def _expected(
@@ -615,10 +638,12 @@ def _run_checked(
     ``divergence`` (with ``diverged_after`` and ``first_divergent_step``), ``anomaly`` and
     ``anomaly_step``."""
     from engine.trainer import Trainer
+    from engine.transforms import DetectAnomaly
 
     checker = listeners[0]
     checker.detect_anomaly = detect_anomaly
-    anomaly_was = torch.is_anomaly_enabled()
+    # the Trainer's own detect_anomaly transform, on for the steps asked for
+    plugins = [DetectAnomaly(active=checker.in_span)] if detect_anomaly else None
     outcome: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="engine-replay-") as scratch:
         trainer = Trainer(
@@ -633,6 +658,7 @@ def _run_checked(
             limit_val_batches=0,  # validation cannot change the state
             callbacks=listeners,
             default_root_dir=scratch,
+            plugins=plugins,
             **flags,
         )
         try:
@@ -645,13 +671,11 @@ def _run_checked(
             if e.after is not None and e.after == e.divergence.step - 1:
                 outcome["first_divergent_step"] = e.divergence.step
         except RuntimeError as e:
-            if not (detect_anomaly and torch.is_anomaly_enabled()):
+            if not checker.in_span():
                 raise
             forward = [str(w.message) for w in caught if "forward call" in str(w.message)]
             outcome["anomaly"] = "\n".join([f"{type(e).__name__}: {e}", *forward])
             outcome["anomaly_step"] = checker.current
-        finally:
-            torch.autograd.set_detect_anomaly(anomaly_was)
         for w in caught:  # pass on what the replay warned about
             if "forward call" not in str(w.message):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -717,6 +717,17 @@ def load(path: str | os.PathLike[str], template: TrainState) -> TrainState:
         raise CheckpointError(
             f"{root / META}: 'trees' (the state's extra and precision) cannot be rebuilt: {e}"
         ) from e
+    if (  # a template without a precision state takes the checkpoint's, as it takes extra
+        "precision" in restored
+        and template.precision is not None
+        and _shape_of(restored["precision"]) != _shape_of(template.precision)
+    ):
+        raise CheckpointError(
+            f"{root}: the checkpoint's precision state ({_shape_of(restored['precision'])}) "
+            f"does not fit the template's ({_shape_of(template.precision)}): it was saved under "
+            "another precision (a loss scale comes with '16-mixed'). Resume with the precision "
+            "it was saved with (its config records it), or load its weights alone"
+        )
     _check_fit(root, "params", template.params, groups["params"])
     _check_fit(root, "buffers", template.buffers, groups["buffers"])
     params = {
@@ -762,11 +773,42 @@ def _check_fit(
         for k, v in expected.items()
         if k in got and (got[k].shape != v.shape or got[k].dtype != v.dtype)
     )
+    if (
+        shapes
+        and not missing
+        and not unexpected
+        and all(got[k].shape == v.shape for k, v in expected.items())
+    ):
+        dtypes = sorted(
+            {
+                f"{got[k].dtype} in the checkpoint, {v.dtype} in the template"
+                for k, v in expected.items()
+                if got[k].dtype != v.dtype
+            }
+        )
+        raise CheckpointError(
+            f"{root}: the checkpoint's {group} have other dtypes than the template's "
+            f"({'; '.join(dtypes)}): it was saved under another precision. Resume with the "
+            "precision it was saved with (its config records it), e.g. Trainer(precision="
+            "'bf16-true') for bfloat16 parameters"
+        )
     if missing or unexpected or shapes:
         raise CheckpointError(
             f"{root}: the checkpoint's {group} do not fit the model (missing: {missing}; "
             f"unexpected: {unexpected}; mis-shaped: {shapes}); was it saved from another model?"
         )
+
+
+def _shape_of(tree: Any) -> Any:
+    """A tree's structure, for comparing precision states: dict keys sorted (a checkpoint's
+    JSON does not keep their order), tensors by dtype."""
+    if isinstance(tree, Mapping):
+        return {k: _shape_of(tree[k]) for k in sorted(tree)}
+    if isinstance(tree, (list, tuple)):
+        return [_shape_of(x) for x in tree]
+    if isinstance(tree, Tensor):
+        return str(tree.dtype).removeprefix("torch.")
+    return type(tree).__name__
 
 
 # --------------------------------------------------------------------------- inspection

@@ -168,10 +168,32 @@ class Compile(Transform):
 
 class DetectAnomaly(Transform):
     """Run each core under ``torch.autograd.detect_anomaly()``: a NaN made in backward raises,
-    naming the backward function and the forward line that made it."""
+    naming the backward function and the forward line that made it (the Trainer's
+    ``detect_anomaly=True``).
+
+    Args:
+        active: ``fn() -> bool``, asked before each call: detect only while it is true (anomaly
+            mode slows a step several times; ``engine replay --detect-anomaly`` turns it on for
+            the steps asked for). Default: always.
+
+    Example:
+        >>> import torch
+        >>> core = DetectAnomaly().wrap_core(lambda: torch.is_anomaly_enabled())
+        >>> core(), torch.is_anomaly_enabled()
+        (True, False)
+    """
+
+    def __init__(self, active: Callable[[], bool] | None = None) -> None:
+        if active is not None and not callable(active):
+            raise TypeError(f"DetectAnomaly(active={active!r}): pass a function () -> bool")
+        self.active = active
 
     def wrap_core(self, core: Callable) -> Callable:
+        active = self.active
+
         def detecting(*args: Any) -> Any:
+            if active is not None and not active():
+                return core(*args)
             with torch.autograd.detect_anomaly():
                 return core(*args)
 
