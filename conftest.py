@@ -6,3 +6,15 @@ def _run_in_a_fresh_directory(tmp_path, monkeypatch):
     """Trainers write logs and checkpoints under the working directory by default (as
     Lightning's do): keep every test's out of the repository and out of each other's way."""
     monkeypatch.chdir(tmp_path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device: without one they are skipped, saying so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run benchmarks/gpu_check.sh on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

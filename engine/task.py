@@ -65,6 +65,9 @@ class Task:
             on optimizer steps (Lightning's ``grad_norm`` utility).
         hparams: hyperparameters to record with the loggers when fitting (Lightning's
             ``save_hyperparameters``); plain values or nested mappings of them.
+        transfer_batch_to_device: ``fn(batch, device) -> batch``, for batch types the
+            Trainer cannot walk (Lightning's hook of that name); by default tensors in tuples,
+            lists, dicts and named tuples, and objects with a ``to(device)`` method, are moved.
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -91,6 +94,9 @@ class Task:
     grad_norm: bool = False
     hparams: Mapping[str, Any] = attrs.field(factory=dict)
     step_fn: Callable[[TrainState, Any], tuple[TrainState, Mapping[str, Any]]] | None = None
+    transfer_batch_to_device: Callable[[Any, Any], Any] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.step_fn is None:

@@ -698,8 +698,13 @@ class Trainer(FlagViews):
             clip = (
                 clip_by_global_norm if self.gradient_clip_algorithm == "norm" else clip_by_value
             )(float(self.gradient_clip_val))
+        placement = self._placement
+        if self.task is not None and self.task.transfer_batch_to_device is not None:
+            placement = transforms.SingleDevice(
+                placement.device, transfer=self.task.transfer_batch_to_device
+            )
         return transforms.compose(
-            placement=self._placement,
+            placement=placement,
             precision=self._precision,
             observe=self._observer() if fit else None,
             clip=clip,

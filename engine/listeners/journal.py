@@ -182,45 +182,58 @@ class Journal(Listener):
         if self._file is None or state is None or state.micro_step or not self.every_n_steps:
             return
         loss = rec.outputs.get("loss") if rec.outputs else None
-        self._keep(state.step, loss)
+        skipped = rec.outputs.get("skipped") if rec.outputs else None
+        self._keep(state.step, loss, skipped)
         if state.step % self.every_n_steps or state.step == self._last_step:
             return
         fp_every = self.fingerprint_every_n_steps
         with_fp = bool(fp_every) and state.step % fp_every == 0
-        losses = self._take(state.step)
-        if losses is not None:  # this step's loss is the last of them: read with them
-            self._put(self._line(rec, loss=losses[-1], fingerprint=with_fp, losses=losses))
+        taken = self._take(state.step)
+        if taken is not None:  # this step's loss is the last of them: read with them
+            losses, skips = taken
+            line = self._line(rec, loss=losses[-1], fingerprint=with_fp, losses=losses)
+            if skips:  # optimizer steps a loss scale skipped (an inf/NaN gradient)
+                line["skipped"] = skips
+            self._put(line)
         else:
             self._put(self._line(rec, loss=loss, fingerprint=with_fp))
         self._last_step = state.step
 
-    def _keep(self, step: int, loss: Any) -> None:
-        """Keep optimizer step ``step``'s loss (the tensor: no sync) for the next line."""
+    def _keep(self, step: int, loss: Any, skipped: Any = None) -> None:
+        """Keep optimizer step ``step``'s loss and whether it was skipped (tensors: no sync)
+        for the next line."""
         if loss is None or step != self._losses_to + 1:
             self._losses.clear()  # the kept losses must be of consecutive steps up to the last
         if loss is None:
             self._losses_to = -1
             return
-        self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        detached = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        self._losses.append((detached, skipped))
         self._losses_to = step
 
-    def _take(self, step: int) -> list[float] | None:
-        """The kept losses (of the steps up to ``step``) on the host, read with one sync; the
-        keeping starts over."""
+    def _take(self, step: int) -> tuple[list[float], list[int]] | None:
+        """The kept losses (of the steps up to ``step``) on the host, and the steps among them
+        that were skipped, read with one sync; the keeping starts over."""
         if not self._losses or self._losses_to != step:
             self._losses.clear()
             return None
         kept = list(self._losses)
         self._losses.clear()
-        tensors = [t for t in kept if isinstance(t, torch.Tensor)]
+        first = step - len(kept) + 1
+        values = [v for v, _ in kept]
+        skips = [(first + i, s) for i, (_, s) in enumerate(kept) if s is not None]
+        tensors = [t for t in values if isinstance(t, torch.Tensor)]
+        tensors += [s for _, s in skips if isinstance(s, torch.Tensor)]
         host: Iterator[Any] = iter(())
         if tensors:
-            # one dtype that holds each loss exactly (they normally share one)
+            # one dtype that holds each value exactly (the losses normally share one)
             dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
             device = tensors[0].device
             stacked = torch.stack([t.to(device=device, dtype=dtype) for t in tensors])
             host = iter(stacked.tolist())  # the one host sync of a journal line
-        return [float(next(host)) if isinstance(v, torch.Tensor) else float(v) for v in kept]
+        losses = [float(next(host)) if isinstance(v, torch.Tensor) else float(v) for v in values]
+        skipped = [at for at, s in skips if (next(host) if isinstance(s, torch.Tensor) else s)]
+        return losses, skipped
 
     def on_state_transition(self, rec: EventRecord) -> None:
         """Record a listener's :class:`~engine.events.Transition`: a line with its position,

@@ -393,26 +393,29 @@ class MixedPrecision(Transform):
         def update(grads, params, opt_state, precision, step):
             scale = precision["scale"].clone()
             tracker = precision["growth_tracker"].clone()
-            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
             inv_scale = scale.double().reciprocal().float()
-            for group in _by_device_and_dtype(list(grads.values())):
-                torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling():  # GradScaler's arithmetic in traceable ops
+                found_inf = _unscale(list(grads.values()), inv_scale)
                 opt_state, metrics = _undone_if(
                     found_inf, update_fn, grads, params, opt_state, precision, step
                 )
-            elif found_inf.item():  # GradScaler.step's one sync: skip the optimizer
-                metrics = {}
+                scale, tracker = _updated_scale(scale, tracker, found_inf, scale_cfg)
             else:
-                opt_state, _, metrics = update_fn(grads, params, opt_state, precision, step)
-            torch._amp_update_scale_(
-                scale,
-                tracker,
-                found_inf,
-                scale_cfg.growth_factor,
-                scale_cfg.backoff_factor,
-                scale_cfg.growth_interval,
-            )
+                found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+                for group in _by_device_and_dtype(list(grads.values())):
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+                if found_inf.item():  # GradScaler.step's one sync: skip the optimizer
+                    metrics = {}
+                else:
+                    opt_state, _, metrics = update_fn(grads, params, opt_state, precision, step)
+                torch._amp_update_scale_(
+                    scale,
+                    tracker,
+                    found_inf,
+                    scale_cfg.growth_factor,
+                    scale_cfg.backoff_factor,
+                    scale_cfg.growth_interval,
+                )
             metrics = {**metrics, "skipped": found_inf}
             return opt_state, {"scale": scale, "growth_tracker": tracker}, metrics
 
@@ -431,6 +434,29 @@ def _by_device_and_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
     return list(groups.values())
+
+
+def _unscale(grads: list[Tensor], inv_scale: Tensor) -> Tensor:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` in ops a compiler traces: the
+    gradients multiplied by ``inv_scale`` in place; 1.0 if any held an inf or NaN, else 0.0."""
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+    torch._foreach_mul_(grads, inv_scale)
+    return (~finite).float()
+
+
+def _updated_scale(
+    scale: Tensor, tracker: Tensor, found_inf: Tensor, cfg: DynamicLossScale
+) -> tuple[Tensor, Tensor]:
+    """``torch._amp_update_scale_``'s rule, branch-free: back off on an overflow; grow after
+    ``growth_interval`` clean steps in a row (if the grown scale is finite)."""
+    found = found_inf > 0
+    successful = tracker + 1
+    grow = successful >= cfg.growth_interval
+    grown = scale * cfg.growth_factor
+    grown = torch.where(torch.isfinite(grown), grown, scale)
+    new_scale = torch.where(found, scale * cfg.backoff_factor, torch.where(grow, grown, scale))
+    new_tracker = torch.where(found | grow, torch.zeros_like(tracker), successful)
+    return new_scale, new_tracker
 
 
 def _undone_if(found_inf: Tensor, update_fn, grads, params, opt_state, precision, step):
