@@ -396,3 +396,50 @@ def test_a_custom_loop_with_the_transforms_equals_the_trainers_precision_flag_bi
     for i, batch in enumerate(data):
         state, _ = step(state, pipeline.move(batch), flush=i == len(data) - 1)
     assert state.replace(epoch=1, batch_idx=0).fingerprint() == by_flags.fingerprint()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_compile_compiles_the_eval_and_predict_steps_too(precision):
+    from torch._dynamo.utils import counters
+
+    task = eg.Task(_loss, optim.sgd(0.1), eval_fn=_loss)
+    state = task.init(_model())
+    data = _data(2)
+    results = {}
+    for compile in (False, True):
+        trainer = eg.Trainer(precision=precision, compile=compile, barebones=True)
+        torch._dynamo.reset()
+        counters.clear()
+        (metrics,) = trainer.validate(task, state, data, verbose=False)
+        outputs = trainer.predict(task, state, [x for x, _ in data])
+        results[compile] = (metrics["val/loss"], torch.cat(outputs))
+        graphs = counters["stats"]["unique_graphs"]
+        assert (graphs >= 2) == compile, graphs  # one for evaluation, one for prediction
+    assert results[True][0] == pytest.approx(results[False][0], rel=2e-2)
+    torch.testing.assert_close(results[True][1], results[False][1], rtol=2e-2, atol=2e-2)
+
+
+def test_16_mixed_clips_the_unscaled_gradients_as_lightning_does_with_grad_scaler():
+    data = _poison(_data(8), at=(3,))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    for batch in data:  # Lightning's order: unscale, clip, step (skipped on overflow), update
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _loss(model, batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, foreach=True)
+        scaler.step(opt)
+        scaler.update()
+    precision = transforms.MixedPrecision(
+        torch.float16, loss_scale=transforms.DynamicLossScale(2.0**8, growth_interval=2)
+    )
+    task = eg.Task(_loss, optim.sgd(0.5))
+    trainer = eg.Trainer(max_epochs=1, plugins=[precision], gradient_clip_val=0.1, barebones=True)
+    state = trainer.fit(task, task.init(_model()), data)
+    assert float(state.precision["scale"]) == scaler.get_scale()
+    for name, p in model.named_parameters():
+        assert torch.equal(state.params[name], p.detach()), name

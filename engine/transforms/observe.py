@@ -18,8 +18,9 @@ class Observe(Transform):
     """Call back inside a train step, where Lightning calls its step hooks.
 
     Args:
-        before_backward: ``fn(loss)`` after the forward pass, before backward (the loss as the
-            loss function returned it, before any loss scale and accumulation divisor).
+        before_backward: ``fn(loss)`` after the forward pass, before backward: the loss
+            backward starts from, before the accumulation divisor; multiplied by the loss scale
+            under ``"16-mixed"``, as Lightning's ``on_before_backward`` receives it.
         after_backward: ``fn(grads)`` right after backward: this micro-batch's gradients (of
             ``loss / accumulate``; scaled by a loss scale if the precision uses one, as
             Lightning's are at this hook), a tuple in the order of the state's parameters.
