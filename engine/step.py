@@ -45,6 +45,8 @@ __all__ = [
     "eval_step",
     "grad_core",
     "predict_step",
+    "reporting_grad_norm",
+    "total_norm",
     "train_step",
     "update_core",
 ]
@@ -292,6 +294,24 @@ def grad_core(
     return torch.autograd.grad(objective, params, materialize_grads=True), loss, aux
 
 
+def total_norm(grads: Mapping[str, Tensor]) -> Tensor:
+    """The gradients' total 2-norm: Lightning's ``grad_norm(..., norm_type=2)``'s
+    ``"grad_2.0_norm_total"``."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads.values()))))
+
+
+def reporting_grad_norm(update_fn: UpdateFn) -> UpdateFn:
+    """``update_fn`` reporting the total norm of the gradients it receives as ``"grad_norm"``:
+    placed innermost in a pipeline's update, it measures them unscaled and before clipping."""
+
+    def update(grads, params, opt_state, precision, step):
+        norm = total_norm(grads)
+        opt_state, precision, metrics = update_fn(grads, params, opt_state, precision, step)
+        return opt_state, precision, {**metrics, "grad_norm": norm}
+
+    return update
+
+
 def update_core(
     tx: GradientTransformation, gradients: GradientTransformation | None = None
 ) -> UpdateFn:
@@ -370,9 +390,7 @@ class TrainStep:
                 torch._foreach_add_(grads, list(grad_accum.values()))
             grads = dict(zip(params, grads, strict=True))
             if self.grad_norm:
-                # Lightning's grad_norm(..., norm_type=2)["grad_2.0_norm_total"], before clipping
-                norms = torch._foreach_norm(list(grads.values()))
-                metrics["grad_norm"] = torch.linalg.vector_norm(torch.stack(norms))
+                metrics["grad_norm"] = total_norm(grads)
             opt_state, precision, reported = self._update_fn(
                 grads, params, opt_state, precision, step
             )

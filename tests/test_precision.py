@@ -443,3 +443,45 @@ def test_16_mixed_clips_the_unscaled_gradients_as_lightning_does_with_grad_scale
     assert float(state.precision["scale"]) == scaler.get_scale()
     for name, p in model.named_parameters():
         assert torch.equal(state.params[name], p.detach()), name
+
+
+_LIGHTNING_CPU_VALUES = [None, 64, "64", 32, "32", "bf16", "64-true", "32-true", "bf16-mixed"]
+_LIGHTNING_CPU_VALUES += ["16-true", "bf16-true"]
+
+
+def test_precision_names_and_refusals_match_lightnings_own():
+    pl = pytest.importorskip("pytorch_lightning")
+    import warnings
+
+    def theirs(value):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return pl.Trainer(
+                precision=value,
+                accelerator="cpu",
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                enable_checkpointing=False,
+            ).precision
+
+    for value in _LIGHTNING_CPU_VALUES:
+        assert eg.Trainer(precision=value, **QUIET).precision == theirs(value), value
+    for value in ("fp16", 8, "16-MIXED", 32.0):
+        with pytest.raises((ValueError, RuntimeError)):
+            theirs(value)
+        with pytest.raises(ValueError, match=rf"precision={value!r}"):
+            eg.Trainer(precision=value, **QUIET)
+
+
+def test_grad_norm_under_16_mixed_is_of_the_unscaled_gradients():
+    (batch,) = _data(1)
+    norms = {}
+    for precision in ("32-true", "16-mixed"):
+        task = eg.Task(_loss, optim.sgd(0.1), grad_norm=True)
+        seen = []
+        probe = eg.on(eg.Event.ON_TRAIN_BATCH_END, lambda rec, seen=seen: seen.append(rec.outputs))
+        trainer = eg.Trainer(max_epochs=1, precision=precision, callbacks=[probe], **QUIET)
+        trainer.fit(task, task.init(_model()), [batch])
+        norms[precision] = float(seen[0]["grad_norm"])
+    assert norms["16-mixed"] == pytest.approx(norms["32-true"], rel=1e-2)

@@ -35,6 +35,7 @@ from engine.step import (
     UpdateFn,
     _call_model,
     grad_core,
+    reporting_grad_norm,
     update_core,
 )
 from engine.transforms.base import Transform
@@ -173,11 +174,15 @@ class Pipeline:
             fn = t.wrap_grad(fn)
         return fn
 
-    def update_fn(self, tx: GradientTransformation) -> UpdateFn:
-        """``tx`` after the ``gradients`` chain, wrapped by every ``wrap_update``."""
+    def update_fn(self, tx: GradientTransformation, *, grad_norm: bool = False) -> UpdateFn:
+        """``tx`` after the ``gradients`` chain, wrapped by every ``wrap_update``; with
+        ``grad_norm``, reporting the gradients' norm where they reach the chain (unscaled,
+        before clipping)."""
         parts = [g for t in self.transforms if (g := t.gradients()) is not None]
         gradients = None if not parts else parts[0] if len(parts) == 1 else chain(*parts)
         fn = update_core(tx, gradients)
+        if grad_norm:
+            fn = reporting_grad_norm(fn)
         for t in reversed(self.transforms):
             fn = t.wrap_update(fn)
         return fn
@@ -211,9 +216,8 @@ class Pipeline:
             tx,
             accumulate=self.accumulate,
             donate=donate,
-            grad_norm=grad_norm,
             grad_fn=self.grad_fn(),
-            update_fn=self.update_fn(tx),
+            update_fn=self.update_fn(tx, grad_norm=grad_norm),
             wrap_core=self.wrap_core,
             rng_devices=self.rng_devices,
         )
