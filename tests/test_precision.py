@@ -485,3 +485,16 @@ def test_grad_norm_under_16_mixed_is_of_the_unscaled_gradients():
         trainer.fit(task, task.init(_model()), [batch])
         norms[precision] = float(seen[0]["grad_norm"])
     assert norms["16-mixed"] == pytest.approx(norms["32-true"], rel=1e-2)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_replay_runs_with_the_recorded_precision(tmp_path, precision):
+    task = eg.Task(_loss, optim.adamw(1e-2))
+    trainer = eg.Trainer(
+        max_epochs=1, precision=precision, log_every_n_steps=2, default_root_dir=tmp_path, **QUIET
+    )
+    trainer.fit(task, task.init(_model()), _data(6))
+    config = json.loads((Path(trainer.run_dir) / "config.json").read_text())
+    assert (config["precision"], config["device"]) == (precision, "cpu")
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert report.divergence is None and report.steps == 6 and report.compared > 0, report
