@@ -498,3 +498,45 @@ def test_replay_runs_with_the_recorded_precision(tmp_path, precision):
     assert (config["precision"], config["device"]) == (precision, "cpu")
     report = eg.replay(trainer.run_dir, trust_code=True)
     assert report.divergence is None and report.steps == 6 and report.compared > 0, report
+
+
+@pytest.mark.parametrize("kill_at", [5, 8])  # after a skipped step; mid accumulation window
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_sigkill_mid_fit_under_16_mixed_resumes_from_last_bitwise(tmp_path, kill_at, asynchronous):
+    here = str(Path(__file__).parent)
+    flags = "max_epochs=2, precision='16-mixed', accumulate_grad_batches=2"
+    script = textwrap.dedent(f"""
+        import os, signal, sys; sys.path.insert(0, {here!r})
+        import engine as eg
+        from engine import optim
+        from engine.listeners import ModelCheckpoint
+        from test_precision import _data, _loss, _model, _poison
+
+        class Kill(eg.Listener):
+            def on_train_batch_start(self, rec):
+                if rec.run.global_step == {kill_at}:
+                    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no finally
+
+        saver = ModelCheckpoint(every_n_train_steps=1, save_top_k=-1,
+                                asynchronous={asynchronous})
+        task = eg.Task(_loss, optim.adamw(1e-2))
+        eg.Trainer({flags}, default_root_dir={str(tmp_path)!r}, callbacks=[saver, Kill()],
+                   logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   ).fit(task, task.init(_model()), _poison(_data(10), at=(3,)))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr[-2000:]
+    task = eg.Task(_loss, optim.adamw(1e-2))
+    data = _poison(_data(10), at=(3,))
+    full = eg.Trainer(
+        max_epochs=2, precision="16-mixed", accumulate_grad_batches=2, barebones=True
+    ).fit(task, task.init(_model()), data)
+    resumed = eg.Trainer(
+        max_epochs=2,
+        precision="16-mixed",
+        accumulate_grad_batches=2,
+        default_root_dir=tmp_path,
+        **QUIET,
+    ).fit(task, task.init(_model()), data, ckpt_path="last")  # none landed: from the start
+    assert resumed.fingerprint() == full.fingerprint()
+    assert torch.equal(resumed.precision["scale"], full.precision["scale"])
