@@ -193,6 +193,12 @@ def main(argv: list[str] | None = None) -> None:
     results.update(time_trainer(rounds=5 if args.quick else 11))
     # save/load/async figures, on disk and on tmpfs (see benchmarks/checkpoint.py)
     results["checkpoint"] = checkpoint_bench.run(rounds=5 if args.quick else 15)
+    # bf16-mixed vs float32 through the Trainer (see benchmarks/precision.py)
+    from benchmarks import precision as precision_bench  # imports this module: import late
+
+    results["precision"] = precision_bench.run(
+        rounds=3 if args.quick else 9, batches=10 if args.quick else precision_bench.BATCHES
+    )
     if args.json:
         print(json.dumps(results, indent=2))
     else:
