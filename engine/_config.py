@@ -277,6 +277,7 @@ def check_callbacks(value: Any) -> None:
         return
     for x in value if isinstance(value, (list, tuple)) else [value]:
         _instance("callbacks", value, x)
+        _not_lightnings(value, x)
         check_listener(x)
         if not any(callable(getattr(x, event.value, None)) for event in Event):
             raise ValueError(
@@ -285,6 +286,52 @@ def check_callbacks(value: Any) -> None:
                 "such as EarlyStopping(...), a list of them, or wrap a function with "
                 "engine.on(Event..., fn)"
             )
+
+
+# Lightning's callbacks and what replaces each in engine
+_LIGHTNING_CALLBACKS = {
+    "ModelCheckpoint": "engine.listeners.ModelCheckpoint (the same arguments)",
+    "EarlyStopping": "engine.listeners.EarlyStopping (the same arguments)",
+    "LearningRateMonitor": "engine.listeners.LearningRateMonitor",
+    "Timer": "engine.listeners.Timer, or Trainer(max_time=...)",
+    "ModelSummary": "engine.listeners.ModelSummary, or Trainer(enable_model_summary=True)",
+    "RichModelSummary": "engine.listeners.ModelSummary",
+    "TQDMProgressBar": "engine.listeners.ProgressBar",
+    "RichProgressBar": "engine.listeners.ProgressBar",
+    "LambdaCallback": "engine.on(engine.Event.ON_..., fn) for each hook",
+    "GradientAccumulationScheduler": "Trainer(accumulate_grad_batches=...)",
+}
+
+
+def _not_lightnings(value: Any, x: Any) -> None:
+    """A Lightning ``Callback`` is refused, naming what replaces it: its hooks take
+    ``(trainer, pl_module, ...)`` and change the trainer; a listener's take one record."""
+    lightning = [
+        c
+        for c in type(x).__mro__
+        if c.__name__ == "Callback"
+        and c.__module__.split(".")[0] in ("pytorch_lightning", "lightning")
+    ]
+    if not lightning:
+        return
+    name = next(
+        (c.__name__ for c in type(x).__mro__ if c.__name__ in _LIGHTNING_CALLBACKS),
+        type(x).__name__,
+    )
+    use = _LIGHTNING_CALLBACKS.get(name)
+    instead = (
+        f"use {use}"
+        if use
+        else "write an engine listener: subclass engine.Listener with the same hook names, "
+        "each taking one record (`def on_train_batch_end(self, rec)`: rec.state, rec.outputs, "
+        "rec.batch_idx, rec.run for what the trainer held) and returning a request "
+        "(engine.Stop(), engine.Save(path), engine.Log({...}), engine.Transition(fn)) instead "
+        "of changing the trainer"
+    )
+    raise ValueError(
+        f"Trainer(callbacks=...): {type(x).__name__} is a Lightning Callback, whose hooks take "
+        f"(trainer, pl_module, ...); {instead}"
+    )
 
 
 def root_dir(value: Any) -> str:

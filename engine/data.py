@@ -28,6 +28,8 @@ __all__ = [
     "SeededDataset",
     "ShuffleSampler",
     "count_batches",
+    "datamodule_loaders",
+    "is_datamodule",
     "limit_batches",
     "lookahead",
     "order_outside_the_state",
@@ -37,9 +39,11 @@ __all__ = [
     "restore_loader",
     "seed_batches",
     "seed_shuffle",
+    "setup_datamodule",
     "state_from_json",
     "state_to_json",
     "stateful",
+    "teardown_datamodule",
 ]
 
 INF = math.inf
@@ -60,15 +64,11 @@ def resolve_loaders(
     if dataloaders is not None and datamodule is not None:
         raise ValueError(f"pass either dataloaders or datamodule to Trainer.{stage}(), not both")
     if datamodule is not None:
-        fn = getattr(datamodule, method, None)
-        if not callable(fn):
-            return []
-        dataloaders = fn()
+        dataloaders = datamodule_loaders(datamodule, method, stage)
+    elif dataloaders is not None and is_datamodule(dataloaders):  # passed positionally
+        dataloaders = datamodule_loaders(dataloaders, method, stage)
     if dataloaders is None:
         return []
-    if hasattr(dataloaders, method) and callable(getattr(dataloaders, method)):
-        # a datamodule passed positionally
-        dataloaders = getattr(dataloaders, method)()
     loaders = list(dataloaders) if _is_many(dataloaders) else [dataloaders]
     for i, dl in enumerate(loaders):
         if not isinstance(dl, Iterable):
@@ -77,6 +77,66 @@ def resolve_loaders(
                 "DataLoader or any iterable of batches"
             )
     return loaders
+
+
+_LOADER_METHODS = ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader")
+
+
+def is_datamodule(obj: Any) -> bool:
+    """Whether ``obj`` serves loaders as a datamodule does (a ``*_dataloader()`` method)."""
+    return not isinstance(obj, Iterable) and any(
+        callable(getattr(obj, m, None)) for m in _LOADER_METHODS
+    )
+
+
+def _lightning_default(obj: Any, method: str) -> bool:
+    """Whether ``obj``'s ``method`` is Lightning's placeholder (``LightningDataModule`` defines
+    every ``*_dataloader`` to raise until a subclass overrides it)."""
+    owner = next((c for c in type(obj).__mro__ if method in vars(c)), None)
+    return owner is not None and owner.__module__.split(".")[0] in (
+        "pytorch_lightning",
+        "lightning",
+    )
+
+
+def datamodule_loaders(datamodule: Any, method: str, stage: str) -> Any:
+    """``datamodule.method()``, or ``None`` when the datamodule has no such loader; an
+    ``AttributeError`` it raises names the ``setup`` call that should have made what it reads."""
+    fn = getattr(datamodule, method, None)
+    if not callable(fn) or _lightning_default(datamodule, method):
+        return None
+    try:
+        return fn()
+    except AttributeError as e:
+        name = type(datamodule).__name__
+        called = (
+            f"the Trainer called {name}.setup({_SETUP_STAGE.get(stage, stage)!r}) before it, as "
+            "Lightning does: create there what it reads"
+            if callable(getattr(datamodule, "setup", None))
+            else f"{name} has no setup(stage) method: give it one that creates what it reads "
+            "(Lightning's DataModule protocol), or build it before passing it"
+        )
+        raise AttributeError(f"{name}.{method}() failed ({e}); {called}") from e
+
+
+# Lightning's stage names for setup(stage) / teardown(stage), by Trainer entry point
+_SETUP_STAGE = {"fit": "fit", "validate": "validate", "test": "test", "predict": "predict"}
+
+
+def setup_datamodule(datamodule: Any, stage: str) -> None:
+    """Lightning's DataModule protocol at the start of a stage: ``prepare_data()`` (download,
+    tokenize: once per call, in this process), then ``setup(stage)``."""
+    for name, args in (("prepare_data", ()), ("setup", (_SETUP_STAGE[stage],))):
+        hook = getattr(datamodule, name, None)
+        if callable(hook):
+            hook(*args)
+
+
+def teardown_datamodule(datamodule: Any, stage: str) -> None:
+    """Lightning's DataModule protocol at the end of a stage: ``teardown(stage)``."""
+    hook = getattr(datamodule, "teardown", None)
+    if callable(hook):
+        hook(_SETUP_STAGE[stage])
 
 
 def _is_many(obj: Any) -> bool:

@@ -199,12 +199,18 @@ class TrainState:
 
     def check_alive(self, what: str = "this step") -> None:
         """Raise :class:`ConsumedStateError` if a step already consumed this state."""
-        if self._ownership.consumed_by is not None:
+        by = self._ownership.consumed_by
+        if by is not None:
+            if by == "Trainer.fit":
+                raise ConsumedStateError(
+                    f"{what} received a consumed state: this TrainState was given to "
+                    "Trainer.fit, whose steps donated its tensors and updated them in place. "
+                    "Use the state fit returned: `state = trainer.fit(task, state, ...)` (fit "
+                    "from `state.copy()` to keep the one you started from)"
+                )
             raise ConsumedStateError(
                 f"{what} received a consumed state: "
-                + _CONSUMED_MSG.format(
-                    by=f"{self._ownership.consumed_by} (at step {self._ownership.at_step})"
-                )
+                + _CONSUMED_MSG.format(by=f"{by} (at step {self._ownership.at_step})")
             )
 
     def _consume(self, by: str) -> None:

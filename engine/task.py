@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import torch
 from torch import Tensor, nn
 
 from engine.optim.base import GradientTransformation, ScheduleLike
@@ -38,6 +39,34 @@ def _check_reduce(instance: Any, attribute: Any, value: Mapping[str, str]) -> No
             raise ValueError(
                 f"reduce[{name!r}] must be one of {', '.join(REDUCTIONS)} (got {how!r})"
             )
+
+
+def _check_tx(instance: Any, attribute: Any, value: Any) -> None:
+    """``tx``: an ``engine.optim`` transformation; a torch optimizer is named with its
+    replacement (its state is outside the pure state, and it holds the model's tensors)."""
+    if value is None or isinstance(value, GradientTransformation):
+        return
+    if isinstance(value, torch.optim.Optimizer) or (
+        isinstance(value, type) and issubclass(value, torch.optim.Optimizer)
+    ):
+        cls = value if isinstance(value, type) else type(value)
+        defaults = {} if isinstance(value, type) else dict(value.defaults)
+        lr = defaults.pop("lr", 1e-3)
+        shown = ", ".join(
+            f"{k}={v!r}" for k, v in defaults.items() if k in ("betas", "weight_decay", "momentum")
+        )
+        made = "" if isinstance(value, type) else "(...)"
+        raise TypeError(
+            f"Task(tx=torch.optim.{cls.__name__}{made}): engine takes an engine.optim "
+            f"transformation, not a torch optimizer; wrap the class: "
+            f"tx=optim.from_torch(torch.optim.{cls.__name__}, lr={lr!r}"
+            f"{', ' + shown if shown else ''}) (bitwise the same steps), or use engine's own, "
+            f"e.g. optim.adamw(lr={lr!r})"
+        )
+    raise TypeError(
+        f"Task(tx={value!r}): pass an engine.optim GradientTransformation such as "
+        "optim.adamw(1e-3), or optim.from_torch(torch.optim.SGD, lr=0.1)"
+    )
 
 
 @attrs.frozen
@@ -81,10 +110,7 @@ class Task:
     """
 
     loss_fn: LossFn | None = None
-    tx: GradientTransformation | None = attrs.field(
-        default=None,
-        validator=attrs.validators.optional(attrs.validators.instance_of(GradientTransformation)),
-    )
+    tx: GradientTransformation | None = attrs.field(default=None, validator=_check_tx)
     eval_fn: Callable[[Any, Any], Any] | None = None
     test_fn: Callable[[Any, Any], Any] | None = None
     predict_fn: Callable[[Any, Any], Any] | None = None

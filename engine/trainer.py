@@ -30,11 +30,14 @@ from engine._resume import Checkpointer, RunRecord, SignalCatcher, _is
 from engine.data import (
     batch_size,
     count_batches,
+    is_datamodule,
     limit_batches,
     lookahead,
     order_outside_the_state,
     randomness_outside_the_state,
     resolve_loaders,
+    setup_datamodule,
+    teardown_datamodule,
 )
 from engine.events import (
     Emitter,
@@ -403,6 +406,7 @@ class Trainer(FlagViews):
             self.callback_metrics,
             self.logged_metrics,
             self.progress_bar_metrics,
+            hparams=None if self.task is None else self.task.hparams,
         )
 
     def _restore(self, ckpt_path: str | os.PathLike[str], template: TrainState) -> None:
@@ -555,7 +559,12 @@ class Trainer(FlagViews):
 
     @contextlib.contextmanager
     def _run(
-        self, stage: str, task: Task, state: TrainState, ckpt_path: str | os.PathLike[str] | None
+        self,
+        stage: str,
+        task: Task,
+        state: TrainState,
+        ckpt_path: str | os.PathLike[str] | None,
+        datamodule: Any = None,
     ) -> Iterator[None]:
         if not isinstance(task, Task):
             raise TypeError(f"task must be an engine.Task (got {type(task).__name__})")
@@ -615,6 +624,8 @@ class Trainer(FlagViews):
                             "failed" if not isinstance(e, KeyboardInterrupt) else "interrupted"
                         )
                 raise
+            if datamodule is not None:  # Lightning: the datamodule's, then the listeners'
+                teardown_datamodule(datamodule, stage)
             self._emit(Event.TEARDOWN)
             for lg in self.loggers:
                 if callable(getattr(lg, "finalize", None)):
@@ -643,12 +654,10 @@ class Trainer(FlagViews):
                 ``ModelCheckpoint`` listener). ``state`` then gives only the structure (model and
                 optimizer); every value comes from the checkpoint.
         """
-        if (
-            datamodule is None
-            and train_dataloaders is not None
-            and hasattr(train_dataloaders, "train_dataloader")
-        ):
+        if datamodule is None and is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
+        if datamodule is not None:  # Lightning's protocol: before its loaders are asked for
+            setup_datamodule(datamodule, "fit")
         train_loaders = resolve_loaders("fit", train_dataloaders, datamodule, "train_dataloader")
         if len(train_loaders) != 1:
             raise ValueError(
@@ -683,8 +692,10 @@ class Trainer(FlagViews):
             resume_data_state=None,
             reducer=None,
         )
-        with self._run("fit", task, state, ckpt_path):
+        with self._run("fit", task, state, ckpt_path, datamodule):
             self._fit(task, train_loaders[0], val_loaders, datamodule)
+        if state._ownership.consumed_by == "train_step":
+            state._ownership.consumed_by = "Trainer.fit"  # its error says what to use instead
         assert self._state is not None
         if self._signals.received is not None:  # after the last epoch's end: nothing to stop
             self._signals.report_late(self.global_step, self.current_epoch)
@@ -920,6 +931,10 @@ class Trainer(FlagViews):
         verbose: bool,
     ) -> list[dict[str, float]]:
         method = "val_dataloader" if kind == "validation" else "test_dataloader"
+        if datamodule is None and is_datamodule(dataloaders):
+            datamodule, dataloaders = dataloaders, None
+        if datamodule is not None:
+            setup_datamodule(datamodule, stage)
         loaders = resolve_loaders(stage, dataloaders, datamodule, method)
         if not loaders:
             raise ValueError(
@@ -931,7 +946,7 @@ class Trainer(FlagViews):
             self.num_val_batches = limits
         else:
             self.num_test_batches = limits
-        with self._run(stage, task, state, ckpt_path):
+        with self._run(stage, task, state, ckpt_path, datamodule):
             step = self._profiler.timed(
                 f"{kind}_step",
                 (task.eval_step if kind == "validation" else task.test_step)(
@@ -953,6 +968,10 @@ class Trainer(FlagViews):
         ckpt_path: str | None = None,
     ) -> list[Any] | None:
         """Run prediction; returns the outputs (a list per dataloader when there are several)."""
+        if datamodule is None and is_datamodule(dataloaders):
+            datamodule, dataloaders = dataloaders, None
+        if datamodule is not None:
+            setup_datamodule(datamodule, "predict")
         loaders = resolve_loaders("predict", dataloaders, datamodule, "predict_dataloader")
         if not loaders:
             raise ValueError(
@@ -965,7 +984,7 @@ class Trainer(FlagViews):
         self.num_predict_batches = limits
         keep = return_predictions is not False
         outputs: list[list[Any]] = []
-        with self._run("predict", task, state, ckpt_path):
+        with self._run("predict", task, state, ckpt_path, datamodule):
             step = self._profiler.timed(
                 "predict_step",
                 task.predict_step(transforms=self._transforms, inference_mode=self.inference_mode),
@@ -1039,7 +1058,17 @@ class _FitRun:
     ) -> tuple[TrainState, Progress, Mapping[str, torch.Tensor]]:
         t = self.trainer
         t._state, t._progress = state, progress  # the step's own events see the state it takes
-        t._state, metrics = self.train_step(state, batch, flush=flush)
+        try:
+            t._state, metrics = self.train_step(state, batch, flush=flush)
+        except RuntimeError as e:
+            if "Inference tensors" not in str(e):
+                raise
+            raise RuntimeError(
+                f"{e}\nThe batch holds inference tensors: tensors made under "
+                "torch.inference_mode(), such as the outputs of Trainer.predict (which predicts "
+                "under it by default). Train on `t.clone()` of them, or predict with "
+                "Trainer(inference_mode=False), whose outputs are ordinary tensors"
+            ) from e
         return t._state, t._progress, metrics
 
     def log(self, state: TrainState, metrics: Mapping[str, float]) -> None:
