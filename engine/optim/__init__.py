@@ -40,6 +40,12 @@ from engine.optim.base import (
     load_state_dict,
     state_dict,
 )
+from engine.optim.inject import (
+    InjectHyperparamsState,
+    get_hyperparams,
+    inject_hyperparams,
+    set_hyperparams,
+)
 from engine.optim.masking import (
     MaskedState,
     MultiTransformState,
@@ -106,7 +112,12 @@ __all__ = [
     "decay_mask",
     "masked",
     "multi_transform",
+    # hyperparameters as state (inject)
+    "get_hyperparams",
+    "inject_hyperparams",
+    "set_hyperparams",
     # states
+    "InjectHyperparamsState",
     "MaskedState",
     "MultiTransformState",
     "ScaleByAdagradState",

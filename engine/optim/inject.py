@@ -1,0 +1,163 @@
+"""Hyperparameters as optimizer state, for what changes with what training observes.
+
+A schedule (``lr=optim.warmup_cosine(...)``) is a pure function of the step and needs no state.
+A learning rate that a plateau halves, or that stochastic weight averaging anneals, depends on
+what the run has seen: it must be part of the state, so that a checkpoint holds it and a state
+transition (:class:`engine.Transition`) can change it. :func:`inject_hyperparams` puts a named
+optimizer's numeric arguments into its state (optax's ``inject_hyperparams``);
+:func:`get_hyperparams` / :func:`set_hyperparams` read and replace them in a state.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from torch.utils import _pytree as pytree
+
+from engine.optim.base import (
+    GradientTransformation,
+    OptState,
+    Params,
+    Updates,
+    apply_updates,
+)
+
+__all__ = [
+    "InjectHyperparamsState",
+    "get_hyperparams",
+    "inject_hyperparams",
+    "set_hyperparams",
+]
+
+
+class InjectHyperparamsState(NamedTuple):
+    """State of an :func:`inject_hyperparams` optimizer: its numeric arguments and the state of
+    the optimizer they build."""
+
+    hyperparams: dict[str, float]
+    inner: OptState
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def inject_hyperparams(
+    factory: Callable[..., GradientTransformation],
+) -> Callable[..., GradientTransformation]:
+    """``factory`` (an optimizer such as :func:`~engine.optim.adamw`) with its numeric keyword
+    arguments kept in the optimizer state, where a state transition can change them.
+
+    The optimizer is built from the hyperparameters the state holds at each step (built once
+    per set of values, so a step costs a dict lookup). Non-numeric arguments (a schedule, a
+    mask, ``betas``) stay fixed.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> tx = optim.inject_hyperparams(optim.sgd)(lr=0.1, momentum=0.9)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = tx.init(params)
+        >>> optim.get_hyperparams(state)
+        {'lr': 0.1, 'momentum': 0.9}
+        >>> state = optim.set_hyperparams(state, lr=0.01)  # what ReduceLROnPlateau does
+        >>> params, state = optim.apply_gradients(tx, {"w": torch.ones(2)}, state, params, 0)
+        >>> params["w"]
+        tensor([0.9900, 0.9900])
+    """
+    if not callable(factory):
+        raise TypeError(
+            f"inject_hyperparams({factory!r}): pass an optimizer factory such as optim.adamw"
+        )
+
+    def build(*args: Any, **kwargs: Any) -> GradientTransformation:
+        if args:
+            raise TypeError(
+                f"inject_hyperparams({getattr(factory, '__name__', factory)})(...): pass the "
+                "hyperparameters by name, e.g. (lr=1e-3, weight_decay=1e-2)"
+            )
+        numeric = {k: float(v) for k, v in kwargs.items() if _numeric(v)}
+        fixed = {k: v for k, v in kwargs.items() if not _numeric(v)}
+        factory(**fixed, **numeric)  # refuses bad arguments now, not at the first step
+        built: OrderedDict[tuple[tuple[str, float], ...], GradientTransformation] = OrderedDict()
+
+        def tx_for(values: dict[str, float]) -> GradientTransformation:
+            key = tuple(sorted(values.items()))
+            tx = built.get(key)
+            if tx is None:
+                tx = built[key] = factory(**fixed, **values)
+                if len(built) > 16:  # a schedule of values: keep the recent ones
+                    built.popitem(last=False)
+            return tx
+
+        def init(params: Params) -> InjectHyperparamsState:
+            return InjectHyperparamsState(dict(numeric), tx_for(numeric).init(params))
+
+        def update(updates: Updates, state: InjectHyperparamsState, params: Params, step: int):
+            out, inner = tx_for(state.hyperparams).update(updates, state.inner, params, step)
+            return out, InjectHyperparamsState(state.hyperparams, inner)
+
+        def apply(grads: Updates, state: InjectHyperparamsState, params: Params, step: int):
+            tx = tx_for(state.hyperparams)
+            if tx.apply is not None:
+                return InjectHyperparamsState(
+                    state.hyperparams, tx.apply(grads, state.inner, params, step)
+                )
+            out, inner = tx.update(grads, state.inner, params, step)
+            apply_updates(params, out)
+            return InjectHyperparamsState(state.hyperparams, inner)
+
+        return GradientTransformation(init, update, apply)
+
+    return build
+
+
+def _found(opt_state: OptState) -> list[tuple[Any, InjectHyperparamsState]]:
+    is_leaf = lambda x: isinstance(x, InjectHyperparamsState)  # noqa: E731
+    leaves, _ = pytree.tree_flatten_with_path(opt_state, is_leaf=is_leaf)
+    return [(path, leaf) for path, leaf in leaves if isinstance(leaf, InjectHyperparamsState)]
+
+
+def _one(opt_state: OptState, what: str) -> None:
+    found = _found(opt_state)
+    if len(found) != 1:
+        why = "none" if not found else f"{len(found)}"
+        raise ValueError(
+            f"{what}: the optimizer state holds {why} injected hyperparameters; build the "
+            "optimizer with optim.inject_hyperparams, e.g. "
+            "tx=optim.inject_hyperparams(optim.adamw)(lr=1e-3), so that its learning rate is "
+            "state a transition can change"
+        )
+
+
+def get_hyperparams(opt_state: OptState) -> dict[str, float]:
+    """The hyperparameters an :func:`inject_hyperparams` optimizer's state holds (a copy)."""
+    _one(opt_state, "get_hyperparams")
+    return dict(_found(opt_state)[0][1].hyperparams)
+
+
+def set_hyperparams(opt_state: OptState, **values: float) -> OptState:
+    """A new optimizer state with the given hyperparameters replaced (the tensors shared)."""
+    _one(opt_state, "set_hyperparams")
+    current = _found(opt_state)[0][1].hyperparams
+    unknown = sorted(set(values) - set(current))
+    if unknown:
+        raise KeyError(
+            f"set_hyperparams: {unknown} are not injected hyperparameters of this optimizer "
+            f"(it has {sorted(current)})"
+        )
+    for k, v in values.items():
+        if not _numeric(v):
+            raise TypeError(f"set_hyperparams({k}={v!r}): pass a number")
+
+    def replace(x: Any) -> Any:
+        if isinstance(x, InjectHyperparamsState):
+            return InjectHyperparamsState(
+                {**x.hyperparams, **{k: float(v) for k, v in values.items()}}, x.inner
+            )
+        return x
+
+    is_leaf = lambda x: isinstance(x, InjectHyperparamsState)  # noqa: E731
+    return pytree.tree_map(replace, opt_state, is_leaf=is_leaf)
