@@ -16,6 +16,8 @@ Those with state worth checkpointing (``EarlyStopping``, ``Timer``) implement ``
 :class:`ModelCheckpoint`  save checkpoints while fitting; keep the best k by a metric
 :class:`LearningRateMonitor`  log the learning rate (metric ``"lr"``) with the loggers
 :class:`Timer`            time each loop; stop when a time budget is spent
+:class:`ReduceLROnPlateau`  cut the learning rate when a monitored metric plateaus
+:class:`LearningRateSchedule`  a schedule stepped per epoch (Lightning's ``interval``)
 ========================  ======================================================
 
 Example:
@@ -28,6 +30,7 @@ from engine.listeners.checkpoint import ModelCheckpoint
 from engine.listeners.early_stopping import EarlyStopping, EarlyStoppingReason
 from engine.listeners.journal import Journal
 from engine.listeners.lr_monitor import LearningRateMonitor
+from engine.listeners.lr_schedule import LearningRateSchedule, ReduceLROnPlateau
 from engine.listeners.progress import ProgressBar
 from engine.listeners.summary import ModelSummary, summarize
 from engine.listeners.timer import Timer, parse_duration
@@ -37,9 +40,11 @@ __all__ = [
     "EarlyStoppingReason",
     "Journal",
     "LearningRateMonitor",
+    "LearningRateSchedule",
     "ModelCheckpoint",
     "ModelSummary",
     "ProgressBar",
+    "ReduceLROnPlateau",
     "Timer",
     "parse_duration",
     "summarize",

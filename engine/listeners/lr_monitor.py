@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.events import EventRecord, Listener, Log, RunView
+from engine.optim.inject import get_hyperparams
 from engine.state import TrainState
 
 __all__ = ["LearningRateMonitor"]
@@ -22,6 +23,16 @@ __all__ = ["LearningRateMonitor"]
 
 def _value(value: Any, step: int) -> float:
     return float(value(step) if callable(value) else value)
+
+
+def _injected(state: TrainState | None) -> float | None:
+    """The learning rate an ``optim.inject_hyperparams`` optimizer keeps in the state, if any."""
+    if state is None:
+        return None
+    try:
+        return get_hyperparams(state.opt_state).get("lr")
+    except ValueError:
+        return None
 
 
 def _state(rec: EventRecord) -> TrainState:
@@ -89,10 +100,11 @@ class LearningRateMonitor(Listener):
                 "remove the LearningRateMonitor"
             )
         task = rec.run.task
-        if getattr(task, "lr", None) is None:
+        if getattr(task, "lr", None) is None and _injected(rec.state) is None:
             raise RuntimeError(
-                "LearningRateMonitor reads the learning rate from the task, and this task has "
-                "none; pass Task(lr=...) with the same float or schedule the optimizer uses"
+                "LearningRateMonitor reads the learning rate from the optimizer state (an "
+                "optim.inject_hyperparams optimizer) or the task, and this run has neither; pass "
+                "Task(lr=...) with the same float or schedule the optimizer uses"
             )
         if self.log_momentum and getattr(task, "momentum", None) is None:
             warnings.warn(
@@ -116,18 +128,20 @@ class LearningRateMonitor(Listener):
         every = config.log_every_n_steps if config is not None else None
         if every and (state.step + 1) % every:
             return None
-        return self._log(rec.run, state.step)
+        return self._log(rec.run, state)
 
     def on_train_epoch_start(self, rec: EventRecord) -> Log | None:
         """In epoch mode: log the rate at the epoch's first step."""
         if self.logging_interval != "epoch":
             return None
         state = _state(rec)
-        return self._log(rec.run, state.step)
+        return self._log(rec.run, state)
 
-    def _log(self, run: RunView, step: int) -> Log:
-        task = run.task
-        stats = {"lr": _value(getattr(task, "lr", None), step)}
+    def _log(self, run: RunView, state: TrainState) -> Log:
+        task, step = run.task, state.step
+        injected = _injected(state)  # a rate a transition may have changed: the state's
+        lr = injected if injected is not None else _value(getattr(task, "lr", None), step)
+        stats = {"lr": lr}
         momentum = getattr(task, "momentum", None) if self.log_momentum else None
         if momentum is not None:
             stats["momentum"] = _value(momentum, step)
@@ -136,7 +150,7 @@ class LearningRateMonitor(Listener):
         return Log(stats, step=step)
 
     def state_dict(self) -> dict[str, Any]:
-        """Nothing to carry: the rate is a function of the step."""
+        """Nothing to carry: the rate is a function of the step, or in the state."""
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
