@@ -39,7 +39,8 @@ _METRICS = ("callback_metrics", "logged_metrics", "progress_bar_metrics")
 
 class RunRecord(NamedTuple):
     """What a checkpoint holds of the run besides the listeners: the state and the loop's
-    progress, the stage, the flags and the metrics the listeners have seen so far."""
+    progress, the stage, the flags, the metrics the listeners have seen so far and the task's
+    hyperparameters."""
 
     state: TrainState
     progress: Progress
@@ -48,6 +49,8 @@ class RunRecord(NamedTuple):
     callback_metrics: Mapping[str, float]
     logged_metrics: Mapping[str, float]
     progress_bar_metrics: Mapping[str, float]
+    # the task's hyperparameters (Task(hparams=...)), recorded as meta.json's extra["hparams"]
+    hparams: Mapping[str, Any] | None = None
 
 
 class Restored(NamedTuple):
@@ -151,6 +154,8 @@ class Checkpointer:
             # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
             "train_metrics": None if progress.reducer is None else progress.reducer.state_dict(),
         }
+        if run.hparams:  # a value JSON cannot hold is named here, before anything is written
+            extra["hparams"] = checkpoint._hparams_doc(run.hparams)
         metrics = dict(run.callback_metrics) if metrics is None else metrics
         if asynchronous:  # its fingerprint is hashed from the snapshot, off the loop (journal)
             return self.io.save_async(

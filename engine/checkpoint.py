@@ -28,14 +28,15 @@ import shutil
 import stat
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, overload
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 try:
@@ -68,9 +69,14 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointIO",
+    "IncompatibleKeys",
     "clean_leftovers",
+    "export",
+    "from_lightning",
     "inspect",
     "load",
+    "load_weights",
+    "read_hparams",
     "read_meta",
     "release_buffers",
     "remove",
@@ -846,6 +852,7 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
             "weights_only",
         )
     }
+    info["hparams"] = _hparams_of(meta)
     info["size_bytes"] = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
     try:
         _verified_tensors(root, meta, materialize=False)
@@ -878,6 +885,522 @@ def verify(path: str | os.PathLike[str]) -> None:
     """
     root = Path(path)
     _verified_tensors(root, read_meta(root), materialize=False)
+
+
+# --------------------------------------------------------------------------- weights for
+# inference and for other tools: no optimizer template, no resume
+
+
+class IncompatibleKeys(NamedTuple):
+    """What :func:`load_weights` with ``strict=False`` did not load (as ``load_state_dict``
+    reports it): names ``into`` has that the checkpoint lacks, and the reverse."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _verified_weights(
+    root: Path,
+    meta: Mapping[str, Any],
+    devices: Mapping[str, torch.device] | None = None,
+    *,
+    materialize: bool = True,
+) -> dict[str, Tensor]:
+    """The checkpoint's parameters and buffers by name, every checksum verified first; the
+    optimizer state and the rest of ``tensors.pt`` are hashed but never copied out of the file.
+    ``devices``: by ``params/<name>`` / ``buffers/<name>`` key, where each tensor goes. With
+    ``materialize=False`` they are views of the mapped file (verified: copy out of them)."""
+    mapped = _verified_tensors(root, meta, materialize=False)
+    picked = {k: t for k, t in mapped.items() if k.partition("/")[0] in ("params", "buffers")}
+    del mapped  # the rest of the file is never copied
+    if materialize:
+        picked = _materialize(picked, devices or {})
+    return {k.partition("/")[2]: t for k, t in picked.items()}
+
+
+def _compare(
+    expected: Mapping[str, Tensor], got: Mapping[str, Tensor]
+) -> tuple[list[str], list[str], list[str]]:
+    """Missing keys, unexpected keys and shape mismatches (dtypes are cast, as
+    ``load_state_dict`` does)."""
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    shapes = sorted(
+        f"{k} (checkpoint {_dims(got[k])}, model {_dims(v)})"
+        for k, v in expected.items()
+        if k in got and got[k].shape != v.shape
+    )
+    return missing, unexpected, shapes
+
+
+def _dims(t: Tensor) -> str:
+    return "x".join(map(str, t.shape)) or "scalar"
+
+
+def _listed(keys: list[str], most: int = 10) -> str:
+    shown = ", ".join(keys[:most])
+    return f"[{shown}, ... ({len(keys) - most} more)]" if len(keys) > most else f"[{shown}]"
+
+
+def _misfit(source: object, missing: list[str], unexpected: list[str], shapes: list[str]) -> str:
+    found = [
+        f"{what}: {_listed(keys)}"
+        for what, keys in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shapes))
+        if keys
+    ]
+    return f"{source}: its weights do not fit the model ({'; '.join(found)})"
+
+
+@overload
+def load_weights(
+    path: str | os.PathLike[str],
+    into: nn.Module,
+    *,
+    strict: bool = ...,
+    device: str | torch.device | None = ...,
+) -> IncompatibleKeys: ...
+
+
+@overload
+def load_weights(
+    path: str | os.PathLike[str],
+    into: Mapping[str, Tensor],
+    *,
+    strict: bool = ...,
+    device: str | torch.device | None = ...,
+) -> dict[str, Tensor]: ...
+
+
+def load_weights(
+    path: str | os.PathLike[str],
+    into: nn.Module | Mapping[str, Tensor],
+    *,
+    strict: bool = True,
+    device: str | torch.device | None = None,
+) -> IncompatibleKeys | dict[str, Tensor]:
+    """Load a checkpoint's parameters and buffers for inference: no optimizer template needed.
+
+    Reads ``params/*`` and ``buffers/*`` of any checkpoint (full or ``weights_only``), after
+    verifying every checksum as :func:`load` does; the optimizer state is never copied out.
+
+    Args:
+        path: the checkpoint directory.
+        into: an ``nn.Module``, whose parameters and buffers are overwritten in place (values
+            cast to their dtypes, as ``load_state_dict`` does); or a mapping of name to tensor
+            giving the names and shapes, for a pure-function model: a new dict is returned.
+        strict: every name of ``into`` must be in the checkpoint and the reverse. With
+            ``strict=False`` the names that match are loaded, the others are reported (a module:
+            in the returned :class:`IncompatibleKeys`; a mapping: in a warning, its missing
+            entries kept from ``into``). A shape mismatch is refused either way.
+        device: for a mapping, where the returned tensors go (as ``torch.load``'s
+            ``map_location``); by default where the tensor of ``into`` each one replaces is. A
+            module's tensors are overwritten where they are (as ``load_state_dict`` does),
+            straight from the mapped file: no second copy of the weights is made.
+
+    Returns:
+        For a module, :class:`IncompatibleKeys` (empty lists when strict); for a mapping, a new
+        ``{name: tensor}`` dict with the dtypes of ``into``'s tensors.
+
+    Raises:
+        CheckpointError: a file missing or damaged, or weights that do not fit ``into``
+            (naming the missing, unexpected and mis-shaped keys).
+
+    Example:
+        >>> import tempfile, torch
+        >>> import engine as eg
+        >>> from engine import checkpoint, optim
+        >>> state = eg.TrainState.create(torch.nn.Linear(3, 2), optim.adam(1e-3))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = checkpoint.save(state, f"{d}/c")
+        ...     model = torch.nn.Linear(3, 2)
+        ...     checkpoint.load_weights(path, model)
+        ...     weights = checkpoint.load_weights(path, {"weight": torch.empty(2, 3),
+        ...                                              "bias": torch.empty(2)})
+        IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+        >>> torch.equal(model.weight, state.params["weight"]), sorted(weights)
+        (True, ['bias', 'weight'])
+    """
+    root = Path(path)
+    if isinstance(into, nn.Module):
+        targets: dict[str, Tensor] = dict(into.named_parameters())
+        targets.update(into.named_buffers())
+    elif isinstance(into, Mapping):
+        targets = dict(into)
+        wrong = [
+            k for k, v in targets.items() if not isinstance(k, str) or not isinstance(v, Tensor)
+        ]
+        if wrong:
+            raise TypeError(
+                f"load_weights(into=...): a mapping must hold str -> Tensor; entry {wrong[0]!r} "
+                f"holds a {type(targets[wrong[0]]).__name__}"
+            )
+    else:
+        raise TypeError(
+            f"load_weights(into=...) takes an nn.Module or a dict of tensors (got "
+            f"{type(into).__name__}); to restore a whole TrainState use checkpoint.load"
+        )
+    meta = read_meta(root)
+    to = None if device is None else torch.device(device)
+    devices = {
+        f"{group}/{k}": to or t.device
+        for group in ("params", "buffers")
+        for k, t in targets.items()
+    }
+    # a module is copied into straight from the mapped file: no second copy of the weights
+    in_place = isinstance(into, nn.Module)
+    weights = _verified_weights(root, meta, devices, materialize=not in_place)
+    missing, unexpected, shapes = _compare(targets, weights)
+    if shapes or (strict and (missing or unexpected)):
+        hint = (
+            "was it saved from another model? A shape mismatch is refused even with strict=False"
+            if shapes
+            else "was it saved from another model? strict=False loads the names that match and "
+            "reports the others"
+        )
+        raise CheckpointError(f"{_misfit(root, missing, unexpected, shapes)}; {hint}")
+    if isinstance(into, nn.Module):
+        with torch.no_grad():
+            for k, t in targets.items():
+                if k in weights:
+                    t.copy_(weights[k])
+        return IncompatibleKeys(missing, unexpected)
+    if missing or unexpected:
+        warnings.warn(
+            f"load_weights({str(root)!r}, strict=False): missing (kept from `into`): "
+            f"{_listed(missing)}; unexpected (not loaded): {_listed(unexpected)}",
+            stacklevel=2,
+        )
+    return {
+        k: (weights[k] if k in weights else t.detach()).to(to or t.device, t.dtype)
+        for k, t in targets.items()
+    }
+
+
+def export(
+    path: str | os.PathLike[str],
+    out_file: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the checkpoint's weights to one file anyone can load without engine.
+
+    The file is ``torch.save`` of a plain ``{name: tensor}`` state dict (parameters and buffers,
+    on the CPU, contiguous, each with a storage of its own), so
+    ``module.load_state_dict(torch.load(out_file, weights_only=True))`` restores the model. It
+    is written atomically (a temporary file beside it, fsynced, renamed into place); the
+    checkpoint is verified first.
+
+    Args:
+        path: the checkpoint directory (full or ``weights_only``).
+        out_file: the file to write; an existing file is replaced.
+        dtype: cast the floating-point tensors to it (``torch.bfloat16``, say); others are kept.
+
+    Returns:
+        ``out_file`` as a path.
+
+    Raises:
+        CheckpointError: the checkpoint is damaged, ``out_file`` lies inside it or is a
+            directory, or writing fails.
+
+    Example:
+        >>> import tempfile, torch
+        >>> import engine as eg
+        >>> from engine import checkpoint, optim
+        >>> state = eg.TrainState.create(torch.nn.Linear(3, 2), optim.sgd(0.1))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     out = checkpoint.export(checkpoint.save(state, f"{d}/c"), f"{d}/model.pt")
+        ...     plain = torch.load(out, weights_only=True)
+        >>> torch.nn.Linear(3, 2).load_state_dict(plain)
+        <All keys matched successfully>
+    """
+    root, out = Path(path), Path(out_file)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"export(dtype=...) must be a floating-point torch.dtype (got {dtype!r})")
+    if out.resolve().is_relative_to(root.resolve()):
+        raise CheckpointError(
+            f"export: {out} lies inside the checkpoint {root}; write the file elsewhere"
+        )
+    if out.is_dir():
+        raise CheckpointError(f"export: {out} is a directory; name the file to write")
+    weights = _verified_weights(root, read_meta(root))
+    plain: dict[str, Tensor] = {}
+    for k, t in weights.items():
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        if (
+            not t.is_contiguous()
+            or t.storage_offset()
+            or (t.untyped_storage().nbytes() != t.numel() * t.element_size())
+        ):  # a view, or a storage shared with others: a copy of its own
+            t = t.clone(memory_format=torch.contiguous_format)
+        plain[k] = t
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"export: cannot create the directory of {out}: {e}") from e
+    with _Claim(out.parent) as claim:
+        tmp = claim.path("")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(plain, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, out)
+            _fsync_dir(out.parent)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                why = "the disk is full" if e.errno == errno.ENOSPC else str(e)
+                raise CheckpointError(f"could not write {out}: {why}") from e
+            raise
+    return out
+
+
+# ------------------------------------------------------------------ hyperparameters
+
+
+def _hparams_doc(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """``hparams`` as ``meta.json`` records them (tuples become lists, non-finite floats
+    ``{"$float": ...}``); a value JSON cannot hold is refused, naming its key."""
+
+    def walk(x: Any, where: str) -> Any:
+        if np is not None and isinstance(x, np.generic):
+            x = x.item()  # numpy scalars: their Python value
+        if isinstance(x, float) and not math.isfinite(x):
+            return {"$float": repr(x)}  # decoded by read_meta
+        if x is None or isinstance(x, (str, bool, int, float)):
+            return x
+        if isinstance(x, (list, tuple)):
+            return [walk(v, f"{where}[{i}]") for i, v in enumerate(x)]
+        if isinstance(x, Mapping):
+            bad = next((k for k in x if not isinstance(k, str)), None)
+            if bad is not None:
+                raise CheckpointError(
+                    f"hparams{where}: key {bad!r} is a {type(bad).__name__}; the keys of a "
+                    "checkpoint's meta.json are strings: use str keys"
+                )
+            if set(x) == {"$float"}:
+                raise CheckpointError(
+                    f"hparams{where}: a dict whose only key is '$float' is how meta.json writes "
+                    "a non-finite float; rename the key"
+                )
+            return {k: walk(v, f"{where}[{k!r}]") for k, v in x.items()}
+        text = repr(x)
+        raise CheckpointError(
+            f"hparams{where} is a {type(x).__name__} ({text[:60]}{'...' if len(text) > 60 else ''}"
+            "), which a checkpoint's meta.json cannot hold; record plain values in "
+            "Task(hparams=...): numbers, strings, booleans, None, and lists and dicts of them "
+            "(a class or object by its name or settings, say)"
+        )
+
+    if not isinstance(hparams, Mapping):
+        raise CheckpointError(
+            f"hparams must be a mapping such as a dict (got {type(hparams).__name__})"
+        )
+    return walk(hparams, "")
+
+
+def _hparams_of(meta: Mapping[str, Any]) -> dict[str, Any]:
+    extra = meta.get("extra")
+    found = extra.get("hparams") if isinstance(extra, Mapping) else None
+    return dict(found) if isinstance(found, Mapping) else {}
+
+
+def read_hparams(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The hyperparameters the run recorded in the checkpoint (``Task(hparams=...)``, as
+    Lightning's ``save_hyperparameters``), from its verified ``meta.json``; ``{}`` if none.
+
+    Values come back as JSON holds them: tuples as lists. ``tensors.pt`` is not read (see
+    :func:`verify`).
+
+    Example:
+        >>> import tempfile, torch
+        >>> import engine as eg
+        >>> from engine import checkpoint, optim
+        >>> state = eg.TrainState.create(torch.nn.Linear(3, 2), optim.sgd(0.1))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = checkpoint.save(state, f"{d}/c", extra={"hparams": {"width": 2}})
+        ...     checkpoint.read_hparams(path)
+        {'width': 2}
+    """
+    return _hparams_of(read_meta(path))
+
+
+# ------------------------------------------------------------------ from Lightning
+
+
+def _module_keys(module: nn.Module) -> dict[str, str]:
+    """``module.state_dict()``'s names (persistent buffers only; tied weights under each of
+    their names) -> the name ``named_parameters`` / ``named_buffers`` give the tensor."""
+    first: dict[int, str] = {}
+    for name, t in (
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ):
+        first.setdefault(id(t), name)
+    saved = module.state_dict(keep_vars=True)
+    return {k: first[id(v)] for k, v in saved.items() if id(v) in first}
+
+
+def _lightning_weights(path: Path) -> dict[str, Tensor]:
+    """The ``state_dict`` of a Lightning ``.ckpt`` (or a plain state-dict file), read with
+    ``weights_only=True``."""
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path} is a directory: an engine checkpoint? Load it with checkpoint.load, or "
+            "checkpoint.load_weights for the weights alone"
+        )
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except Exception as e:  # the safe unpickler refused it, or not a torch file at all
+        raise CheckpointError(
+            f"{path}: refused by torch.load(weights_only=True): {e}. engine never runs code "
+            "from a file; if you trust it, extract its weights yourself "
+            "(torch.save(torch.load(f, weights_only=False)['state_dict'], 'weights.pt')) "
+            "and pass that file"
+        ) from e
+    if isinstance(loaded, Mapping) and "state_dict" in loaded:
+        loaded = loaded["state_dict"]
+    elif not (isinstance(loaded, Mapping) and all(isinstance(v, Tensor) for v in loaded.values())):
+        keys = sorted(map(str, loaded)) if isinstance(loaded, Mapping) else []
+        raise CheckpointError(
+            f"{path}: no 'state_dict' in it (keys: {_listed(keys)}); a Lightning checkpoint "
+            "(trainer.save_checkpoint) or a plain state-dict file was expected"
+        )
+    if not isinstance(loaded, Mapping):
+        raise CheckpointError(f"{path}: its 'state_dict' is a {type(loaded).__name__}, not a dict")
+    wrong = sorted(str(k) for k, v in loaded.items() if not isinstance(v, Tensor))
+    if wrong or not all(isinstance(k, str) for k in loaded):
+        raise CheckpointError(
+            f"{path}: its state_dict holds entries that are not tensors ({_listed(wrong)}); "
+            "engine loads tensors only"
+        )
+    return dict(loaded)
+
+
+def _strip(keys: Any, prefix: str) -> dict[str, str]:
+    return {k[len(prefix) :]: k for k in keys if k.startswith(prefix)}
+
+
+def _heads(keys: Any) -> list[str]:
+    return sorted({k.partition(".")[0] + "." for k in keys if "." in k})
+
+
+@overload
+def from_lightning(
+    ckpt_file: str | os.PathLike[str], into: TrainState, *, prefix: str | None = ...
+) -> TrainState: ...
+
+
+@overload
+def from_lightning(
+    ckpt_file: str | os.PathLike[str], into: nn.Module, *, prefix: str | None = ...
+) -> nn.Module: ...
+
+
+def from_lightning(
+    ckpt_file: str | os.PathLike[str],
+    into: TrainState | nn.Module,
+    *,
+    prefix: str | None = None,
+) -> TrainState | nn.Module:
+    """Start from the weights of a Lightning ``.ckpt``: its ``state_dict``, read with
+    ``torch.load(weights_only=True)`` (nothing in the file runs).
+
+    A LightningModule usually holds the network as an attribute, so its keys carry a prefix
+    (``model.``, ``net.``); it is stripped. Weights only: Lightning's ``optimizer_states``,
+    epoch and step are not read, so this starts training from the weights; it does not resume
+    Lightning's run.
+
+    Args:
+        ckpt_file: the ``.ckpt`` file (``trainer.save_checkpoint(path)``); a plain state-dict
+            file (``torch.save(module.state_dict(), f)``) works too.
+        into: a fresh ``TrainState`` (``task.init(model)``): a new state with its parameters and
+            buffers replaced is returned, its optimizer state and counters kept; or an
+            ``nn.Module``, loaded in place and returned.
+        prefix: the prefix to strip (``"model."``). By default it is found: none when the keys
+            are the model's, else the shortest that every key shares and after which they are
+            exactly the model's. With ``prefix=``, keys without it are ignored (other attributes
+            of the LightningModule).
+
+    Raises:
+        CheckpointError: the file is refused by the safe loader or holds no state dict; the
+            keys do not fit the model (naming missing, unexpected and mis-shaped ones, and
+            the prefixes found); ``into`` is a state that has trained (the optimizer state
+            would not belong to the weights).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from engine import checkpoint
+        >>> net = torch.nn.Linear(3, 2)
+        >>> with tempfile.TemporaryDirectory() as d:  # a .ckpt holds {"state_dict": ..., ...}
+        ...     torch.save({"state_dict": {f"model.{k}": v for k, v in net.state_dict().items()},
+        ...                 "optimizer_states": []}, f"{d}/last.ckpt")
+        ...     model = checkpoint.from_lightning(f"{d}/last.ckpt", torch.nn.Linear(3, 2))
+        >>> torch.equal(model.weight, net.weight)
+        True
+    """
+    path = Path(ckpt_file)
+    if isinstance(into, TrainState):
+        into.check_alive("checkpoint.from_lightning()")
+        if into.step or into.micro_step or into.epoch or into.batch_idx:
+            raise CheckpointError(
+                f"from_lightning({str(path)!r}): the state given has trained (step {into.step}, "
+                f"epoch {into.epoch}); a Lightning checkpoint gives weights only, not an "
+                "optimizer state that fits them. Pass a fresh state (task.init(model)) and "
+                "train from those weights; resuming Lightning's run exactly is Lightning's job"
+            )
+        names = (
+            _module_keys(into.module)
+            if into.module is not None
+            else {k: k for k in (*into.params, *into.buffers)}
+        )
+        tensors = {**into.params, **into.buffers}
+        names = {k: n for k, n in names.items() if n in tensors}
+    elif isinstance(into, nn.Module):
+        names = _module_keys(into)
+        tensors = dict(into.named_parameters())
+        tensors.update(into.named_buffers())
+    else:
+        raise TypeError(
+            f"from_lightning(into=...) takes a TrainState or an nn.Module (got "
+            f"{type(into).__name__})"
+        )
+    saved = _lightning_weights(path)
+    expected = {k: tensors[n] for k, n in names.items()}
+    if prefix is None:
+        first = next(iter(saved), "")
+        shared = [first[: i + 1] for i, c in enumerate(first) if c == "."]
+        shared = [p for p in shared if all(k.startswith(p) for k in saved)]
+        fits = [p for p in ("", *shared) if set(_strip(saved, p)) == set(expected)]
+        prefix = fits[0] if fits else (shared[0] if shared else "")
+    chosen = _strip(saved, prefix)
+    got = {k: saved[full] for k, full in chosen.items()}
+    missing, unexpected, shapes = _compare(expected, got)
+    if missing or unexpected or shapes:
+        where = f"with prefix {prefix!r} stripped" if prefix else "with no prefix stripped"
+        raise CheckpointError(
+            f"{_misfit(path, missing, unexpected, shapes)} {where}. Its keys begin with "
+            f"{_listed(_heads(saved))}: pass prefix= naming the LightningModule's attribute "
+            "that holds this network (prefix='model.', say), or build the model the checkpoint "
+            "was trained with"
+        )
+    if isinstance(into, nn.Module):
+        with torch.no_grad():
+            for k, t in expected.items():
+                t.copy_(got[k])
+        return into
+    loaded = {names[k]: got[k] for k in expected}
+    params = {
+        k: loaded[k].to(v.device, v.dtype).requires_grad_(v.requires_grad) if k in loaded else v
+        for k, v in into.params.items()
+    }
+    buffers = {
+        k: loaded[k].to(v.device, v.dtype) if k in loaded else v for k, v in into.buffers.items()
+    }
+    return into.replace(params=params, buffers=buffers)
 
 
 def _engine_version() -> str:

@@ -786,6 +786,7 @@ class Trainer(FlagViews):
         ]
         enable_validation = sum(self.num_val_batches) > 0
         if task.hparams:
+            checkpoint._hparams_doc(task.hparams)  # a value checkpoints cannot hold: named now
             for lg in self.loggers:
                 lg.log_hyperparams(dict(task.hparams))
         self._emit(Event.ON_FIT_START)
