@@ -742,11 +742,19 @@ def test_progress_bar_reads_metrics_only_on_refresh_steps():
     assert fit.reads == [2, 4, 5, 5]
 
 
-def test_progress_bar_is_silent_and_free_when_output_is_not_a_terminal(capsys):
+def test_progress_bar_outside_a_terminal_prints_lines_and_reads_no_loss_per_batch(capsys):
     assert not sys.stdout.isatty()  # pytest captures stdout
     fit = _CountingTrainer([ProgressBar()], max_epochs=2, num_sanity_val_steps=1)
     fit.fit()
-    assert fit.reads == [] and capsys.readouterr().out == ""
+    assert fit.reads == [2, 2, 2, 2]  # at validation ends and epoch ends only, never per batch
+    out = capsys.readouterr().out
+    assert "\r" not in out
+    assert [s.split(":")[0] for s in out.splitlines()] == [
+        "Validation DataLoader 0",
+        "Epoch 0",
+        "Validation DataLoader 0",
+        "Epoch 1",
+    ]
     out = io.StringIO()
     fit = _CountingTrainer([ProgressBar(refresh_rate=0, file=out)], max_epochs=1)
     fit.fit()
