@@ -237,15 +237,20 @@ class Checkpointer:
         return self.io.load(path, template)
 
     def restore_run(
-        self, path: Path, *, stage: str | None, progress: Progress, reduce: Mapping[str, str] | None
+        self,
+        path: Path,
+        *,
+        stage: str | None,
+        progress: Progress,
+        new_reducer: Callable[[], MetricReducer] | None,
     ) -> Restored | None:
         """The listeners' states, loaded from the checkpoint at ``path``; and, for a fit, the
         progress it continues from (``progress``'s batch counts kept, the epoch's metric
-        reduction rebuilt with ``reduce``) and the metrics its listeners had seen. Raises
+        reduction rebuilt in ``new_reducer()``) and the metrics its listeners had seen. Raises
         ``CheckpointError`` when the run's state in ``extra`` cannot be restored."""
         meta = checkpoint.read_meta(path)
         try:
-            return self._restore_run(meta, stage, progress, reduce)
+            return self._restore_run(meta, stage, progress, new_reducer)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             # meta.json verified, so written like this: by hand, or by another engine
             raise checkpoint.CheckpointError(
@@ -258,7 +263,7 @@ class Checkpointer:
         meta: dict[str, Any],
         stage: str | None,
         now: Progress,
-        reduce: Mapping[str, str] | None,
+        new_reducer: Callable[[], MetricReducer] | None,
     ) -> Restored | None:
         saved = meta.get("extra", {}).get("listeners", {})
         for key, listener in self.keyed_listeners():
@@ -276,8 +281,8 @@ class Checkpointer:
             if name in saved_loop
         }
         reducer = now.reducer
-        if extra.get("train_metrics") and reduce is not None:
-            reducer = MetricReducer(reduce)
+        if extra.get("train_metrics") and new_reducer is not None:
+            reducer = new_reducer()
             reducer.load_state_dict(extra["train_metrics"])
         progress = restored._replace(
             num_training_batches=now.num_training_batches,

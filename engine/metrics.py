@@ -1,14 +1,93 @@
-"""Reducing step metrics over an epoch without touching the host until the epoch ends."""
+"""Step metrics: their names and logging options, and their reduction over an epoch without
+touching the host until the epoch ends.
+
+**Names.** A metric a step function returns is logged under the name you wrote when that name
+says its stage (``val_loss``, ``val/acc``, ``train_loss``: it starts with ``train``, ``val``,
+``test`` or ``predict`` followed by ``_`` or ``/``), as Lightning's ``self.log("val_loss", ...)``
+is; a bare name (``loss``, ``acc``) gets the stage as a prefix: ``val/loss``.
+
+**Options.** :class:`LogOptions` per metric (``Task(log_options=...)``) are ``self.log``'s
+``on_step``, ``on_epoch``, ``prog_bar`` and ``reduce_fx``.
+
+**Metric objects.** A torchmetrics ``Metric`` (anything with ``update``, ``compute`` and
+``reset``) returned as a metric's value is not reduced batch by batch: the function updates it,
+and at the epoch's end its ``compute()`` is logged and it is ``reset()``, so a dataset-level
+AUROC or F1 is exact. Its state lives in the object, outside the :class:`~engine.TrainState`:
+checkpoints do not hold it (a resumed epoch's metric object starts from that batch).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
 from torch import Tensor
 
-__all__ = ["MetricReducer"]
+__all__ = ["STAGES", "LogOptions", "MetricReducer", "is_metric_object", "metric_name"]
+
+STAGES = ("train", "val", "test", "predict")
+
+
+def is_metric_object(value: Any) -> bool:
+    """Whether ``value`` accumulates over batches itself (a torchmetrics ``Metric``)."""
+    return not isinstance(value, Tensor) and all(
+        callable(getattr(value, m, None)) for m in ("update", "compute", "reset")
+    )
+
+
+def metric_name(stage: str, key: str) -> str:
+    """The name a metric is logged under (see the module's docstring).
+
+    Example:
+        >>> metric_name("val", "loss"), metric_name("val", "val_loss")
+        ('val/loss', 'val_loss')
+        >>> metric_name("train", "val/acc"), metric_name("test", "validity")
+        ('val/acc', 'test/validity')
+    """
+    head = key.split("/", 1)[0].split("_", 1)[0]
+    if head in STAGES and len(key) > len(head) and key[len(head)] in "_/":
+        return key
+    return f"{stage}/{key}"
+
+
+_REDUCTIONS = ("mean", "sum", "max", "min")
+
+
+@attrs.frozen
+class LogOptions:
+    """How one metric is logged: Lightning's ``self.log`` options.
+
+    Args:
+        on_step: log each logging step's value (training; default ``True``).
+        on_epoch: log the epoch's reduction (default ``True`` in training: ``<name>_epoch``;
+            evaluation always reduces over the epoch). With both set explicitly the step value
+            is ``<name>_step`` and the epoch's ``<name>_epoch``, as Lightning names them.
+        prog_bar: show it in the progress bar.
+        reduce_fx: ``"mean"`` (weighted by batch size), ``"sum"``, ``"max"`` or ``"min"``.
+
+    Example:
+        >>> LogOptions(on_step=False, prog_bar=True)
+        LogOptions(on_step=False, on_epoch=None, prog_bar=True, reduce_fx=None)
+    """
+
+    on_step: bool | None = None
+    on_epoch: bool | None = None
+    prog_bar: bool = False
+    reduce_fx: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("on_step", "on_epoch"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"LogOptions({name}={value!r}): pass True, False or None")
+        if not isinstance(self.prog_bar, bool):
+            raise ValueError(f"LogOptions(prog_bar={self.prog_bar!r}): pass True or False")
+        if self.reduce_fx is not None and self.reduce_fx not in _REDUCTIONS:
+            raise ValueError(
+                f"LogOptions(reduce_fx={self.reduce_fx!r}): pass one of {', '.join(_REDUCTIONS)}"
+            )
 
 
 class MetricReducer:
@@ -28,14 +107,34 @@ class MetricReducer:
         {'loss': 2.0, 'n': 4.0}
     """
 
-    def __init__(self, reduce: Mapping[str, str] | None = None, fold_every: int = 256) -> None:
-        self.reduce = dict(reduce or {})
+    def __init__(
+        self,
+        reduce: Mapping[str, str] | None = None,
+        fold_every: int = 256,
+        *,
+        options: Mapping[str, LogOptions] | None = None,
+    ) -> None:
+        self.options = dict(options or {})
+        self.reduce = {
+            **dict(reduce or {}),
+            **{k: o.reduce_fx for k, o in self.options.items() if o.reduce_fx is not None},
+        }
         self.fold_every = fold_every
+        self._step_names: dict[tuple[str, ...], list[tuple[str, str]]] = {}
         self.pending: list[tuple[Mapping[str, Tensor], int]] = []
         self.values: dict[str, Tensor] = {}
         self.weights: dict[str, int] = {}
+        self.objects: dict[str, Any] = {}  # metric objects: they accumulate themselves
 
-    def update(self, metrics: Mapping[str, Tensor], batch_size: int) -> None:
+    def update(self, metrics: Mapping[str, Any], batch_size: int) -> None:
+        if any(not isinstance(v, Tensor) for v in metrics.values()):
+            tensors = {}
+            for k, v in metrics.items():
+                if isinstance(v, Tensor):
+                    tensors[k] = v
+                else:
+                    self.objects[k] = v
+            metrics = tensors
         self.pending.append((metrics, batch_size))
         if len(self.pending) >= self.fold_every:
             self._fold()
@@ -72,16 +171,59 @@ class MetricReducer:
                     self.values[k] = torch.minimum(acc, part)
 
     def compute(self) -> dict[str, float]:
+        """The epoch's values (one host sync); metric objects are computed, then reset."""
         self._fold()
-        if not self.values:
+        out: dict[str, float] = {}
+        if self.values:
+            keys = list(self.values)
+            # one host sync for all metrics
+            host = torch.stack([self.values[k].to("cpu") for k in keys]).tolist()
+            out = {
+                k: v / self.weights[k] if k in self.weights else v
+                for k, v in zip(keys, host, strict=True)
+            }
+        for k, obj in self.objects.items():
+            value = obj.compute()
+            out[k] = float(value.float().mean()) if isinstance(value, Tensor) else float(value)
+            obj.reset()
+        self.objects.clear()
+        return out
+
+    # -- the training loop's names (see the module's docstring)
+
+    def step_logged(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """A training step's metrics on the host, named for the loggers (one transfer for all);
+        those with ``on_step=False`` and metric objects are left out."""
+        keys = tuple(metrics)
+        names = self._step_names.get(keys)
+        if names is None:
+            names = self._step_names[keys] = [
+                (k, n)
+                for k in keys
+                if isinstance(metrics[k], Tensor) and (n := self._step_name(k)) is not None
+            ]
+        if not names:
             return {}
-        keys = list(self.values)
-        # one host sync for all metrics
-        host = torch.stack([self.values[k].to("cpu") for k in keys]).tolist()
-        return {
-            k: v / self.weights[k] if k in self.weights else v
-            for k, v in zip(keys, host, strict=True)
-        }
+        values = torch.stack([metrics[k].detach().float() for k, _ in names]).tolist()
+        return {n: v for (_, n), v in zip(names, values, strict=True)}
+
+    def epoch_logged(self) -> dict[str, float]:
+        """The training epoch's reductions (:meth:`compute`), named for the loggers:
+        ``<name>_epoch``; those with ``on_epoch=False`` are left out."""
+        out = {}
+        for k, v in self.compute().items():
+            options = self.options.get(k)
+            if options is None or options.on_epoch is not False:
+                out[f"{metric_name('train', k)}_epoch"] = v
+        return out
+
+    def _step_name(self, key: str) -> str | None:
+        options = self.options.get(key)
+        if options is not None and options.on_step is False:
+            return None
+        name = metric_name("train", key)
+        both = options is not None and options.on_step is True and options.on_epoch is True
+        return f"{name}_step" if both else name
 
     def state_dict(self) -> dict[str, Any]:
         """The running totals and the unfolded buffer as plain floats (exact for float32), so
@@ -107,3 +249,4 @@ class MetricReducer:
         self.pending.clear()
         self.values.clear()
         self.weights.clear()
+        self.objects.clear()

@@ -176,10 +176,29 @@ def _split(out: Any, where: str) -> tuple[Tensor, Mapping[str, Any]]:
 
 
 def _detached(values: Mapping[str, Any]) -> Metrics:
-    """Metrics as tensors cut from the graph (plain numbers become tensors)."""
-    return {
-        k: v.detach() if isinstance(v, Tensor) else torch.as_tensor(v) for k, v in values.items()
-    }
+    """Metrics as tensors cut from the graph (plain numbers become tensors; a metric object,
+    such as a torchmetrics ``Metric``, passes as it is). Anything else cannot be logged and is
+    named."""
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        if isinstance(v, Tensor):
+            if v.numel() != 1:
+                raise ValueError(
+                    f"metric {k!r} is a tensor of shape {tuple(v.shape)}; a logged metric is one "
+                    f"number: reduce it ({k}.mean()), or return a torchmetrics Metric for a "
+                    "dataset-level value"
+                )
+            out[k] = v.detach()
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = torch.as_tensor(v)
+        elif all(callable(getattr(v, m, None)) for m in ("update", "compute", "reset")):
+            out[k] = v  # a metric object (torchmetrics): computed and reset per epoch
+        else:
+            raise TypeError(
+                f"metric {k!r} is a {type(v).__name__} ({v!r:.60}), which cannot be logged: "
+                "return numbers, one-element tensors or torchmetrics Metric objects"
+            )
+    return out
 
 
 def _metrics(loss: Tensor, aux: Mapping[str, Any]) -> Metrics:

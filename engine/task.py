@@ -15,6 +15,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from engine.metrics import LogOptions, MetricReducer
 from engine.optim.base import GradientTransformation, ScheduleLike
 from engine.state import TrainState
 from engine.step import (
@@ -38,6 +39,19 @@ def _check_reduce(instance: Any, attribute: Any, value: Mapping[str, str]) -> No
         if how not in REDUCTIONS:
             raise ValueError(
                 f"reduce[{name!r}] must be one of {', '.join(REDUCTIONS)} (got {how!r})"
+            )
+
+
+def _check_options(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"Task(log_options={value!r}): pass a dict of metric name -> engine.LogOptions(...)"
+        )
+    for name, options in value.items():
+        if not isinstance(options, LogOptions):
+            raise TypeError(
+                f"Task(log_options={{{name!r}: {options!r}}}): pass engine.LogOptions(on_step=..., "
+                "on_epoch=..., prog_bar=..., reduce_fx=...)"
             )
 
 
@@ -94,6 +108,9 @@ class Task:
             on optimizer steps (Lightning's ``grad_norm`` utility).
         hparams: hyperparameters to record with the loggers when fitting (Lightning's
             ``save_hyperparameters``); plain values or nested mappings of them.
+        log_options: per metric, Lightning's ``self.log`` options as
+            :class:`~engine.metrics.LogOptions` (``on_step``, ``on_epoch``, ``prog_bar``,
+            ``reduce_fx``), e.g. ``{"acc": LogOptions(on_step=False, prog_bar=True)}``.
         transfer_batch_to_device: ``fn(batch, device) -> batch``, for batch types the
             Trainer cannot walk (Lightning's hook of that name); by default tensors in tuples,
             lists, dicts and named tuples, and objects with a ``to(device)`` method, are moved.
@@ -120,6 +137,7 @@ class Task:
     grad_norm: bool = False
     hparams: Mapping[str, Any] = attrs.field(factory=dict)
     step_fn: Callable[[TrainState, Any], tuple[TrainState, Mapping[str, Any]]] | None = None
+    log_options: Mapping[str, LogOptions] = attrs.field(factory=dict, validator=_check_options)
     transfer_batch_to_device: Callable[[Any, Any], Any] | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.is_callable())
     )
@@ -141,6 +159,16 @@ class Task:
                 )
             if not callable(self.step_fn):
                 raise TypeError(f"Task(step_fn=...) must be callable (got {self.step_fn!r})")
+
+    def reducer(self) -> MetricReducer:
+        """A fresh epoch reduction of this task's metrics (its ``reduce`` and ``log_options``)."""
+        return MetricReducer(self.reduce, options=self.log_options)
+
+    @property
+    def shown(self) -> frozenset[str]:
+        """The metrics the progress bar shows: the loss, ``prog_bar`` and ``prog_bar=True``."""
+        flagged = (k for k, o in self.log_options.items() if o.prog_bar)
+        return frozenset(("loss", *self.prog_bar, *flagged))
 
     def init(
         self, model: nn.Module | Mapping[str, Tensor], *, seed: int = 0, **kwargs: Any

@@ -53,7 +53,7 @@ from engine.events import (
 from engine.loop import Phase
 from engine.loop.fit import fit as fit_loop
 from engine.loop.progress import Progress
-from engine.metrics import MetricReducer
+from engine.metrics import metric_name
 from engine.optim import clip_by_global_norm, clip_by_value
 from engine.state import TrainState
 from engine.task import Task
@@ -338,10 +338,13 @@ class Trainer(FlagViews):
         For the driver and for code outside events; a listener returns
         :class:`~engine.events.Log` instead.
         """
-        step = self.global_step if step is None else step
+        row = dict(metrics)
+        if step is None:  # a row of the run's own: Lightning adds the epoch to it
+            step = self.global_step
+            row.setdefault("epoch", float(self.current_epoch))
         for lg in self.loggers:
-            lg.log_metrics(dict(metrics), step)
-        self.logged_metrics.update(metrics)
+            lg.log_metrics(row, step)
+        self.logged_metrics.update(row)
         self.callback_metrics.update(metrics)
         self._version += 1
 
@@ -418,8 +421,10 @@ class Trainer(FlagViews):
             return
         self._state = saver.load(path, template, stage=self.stage, asked=ckpt_path)
         self.ckpt_path = str(path)  # ModelCheckpoint never deletes the one a run resumed from
-        reduce = None if self.task is None else self.task.reduce
-        restored = saver.restore_run(path, stage=self.stage, progress=self._progress, reduce=reduce)
+        new_reducer = None if self.task is None else self.task.reducer
+        restored = saver.restore_run(
+            path, stage=self.stage, progress=self._progress, new_reducer=new_reducer
+        )
         if restored is not None:  # a fit continues: what its listeners had seen, they see
             for name, values in restored.metrics.items():
                 setattr(self, name, values)
@@ -803,7 +808,7 @@ class Trainer(FlagViews):
 
         progress = self._progress
         if progress.reducer is None:  # else restored by a resume
-            progress = progress._replace(reducer=MetricReducer(task.reduce))
+            progress = progress._replace(reducer=task.reducer())
         run = _FitRun(self, step, evaluate, val_loaders, dm)
         self._state, self._progress = fit_loop(
             self.config,
@@ -835,12 +840,14 @@ class Trainer(FlagViews):
 
     def _update_prog_bar(self, metrics: Mapping[str, float]) -> None:
         assert self.task is not None
-        shown = {"loss", *self.task.prog_bar}
+        shown = self.task.shown
         for k, v in metrics.items():
-            if k.startswith("train/") and k.endswith("_epoch"):
+            if k.endswith("_epoch") and (k.startswith("train/") or k.startswith("train_")):
                 continue  # the bar shows the latest step values; epoch means go to the loggers
-            name = k.split("/", 1)[-1].split("/dataloader_idx_")[0]
-            if name in shown:
+            name = k.split("/dataloader_idx_")[0]
+            if name.endswith("_step"):
+                name = name[: -len("_step")]
+            if name in shown or name.split("/", 1)[-1] in shown:
                 self.progress_bar_metrics[k] = v
         self._version += 1
 
@@ -862,7 +869,7 @@ class Trainer(FlagViews):
         assert self._state is not None and self.task is not None
         results: list[dict[str, float]] = []
         for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
-            reducer = MetricReducer(self.task.reduce)
+            reducer = self.task.reducer()
             for batch_idx, batch, _, _ in lookahead(loader, limit):
                 batch = self._transforms.move(batch)
                 self._emit_batch(
@@ -878,7 +885,8 @@ class Trainer(FlagViews):
                     dataloader_idx=dl_idx,
                 )
             suffix = f"/dataloader_idx_{dl_idx}" if len(loaders) > 1 else ""
-            results.append({f"{prefix}/{k}{suffix}": v for k, v in reducer.compute().items()})
+            computed = reducer.compute()
+            results.append({f"{metric_name(prefix, k)}{suffix}": v for k, v in computed.items()})
         if log and not self.sanity_checking:
             merged = {k: v for r in results for k, v in r.items()}
             self.log_metrics(merged)

@@ -127,7 +127,8 @@ def test_the_view_has_the_runs_facts_and_is_a_snapshot():
     assert (last.global_step, last.current_epoch, last.sanity_checking) == (6, 1, False)
     assert first.num_training_batches == 3 and first.num_val_batches == (1,)
     assert first.config is trainer.config and first.task is trainer.task
-    assert set(first.callback_metrics) == set(first.logged_metrics) == {"train/loss"}
+    assert set(first.callback_metrics) == {"train/loss"}
+    assert set(first.logged_metrics) == {"train/loss", "epoch"}  # Lightning adds the epoch
     assert "val/loss" in last.callback_metrics and "val/loss" not in first.callback_metrics
     assert batches[1].global_step == 2 and first.global_step == 1  # kept views do not move
     with pytest.raises(TypeError):
@@ -255,7 +256,10 @@ def test_log_requests_reach_the_loggers_at_their_step():
     logger = Logger()
     logs = eg.on(eg.Event.ON_TRAIN_EPOCH_END, lambda rec: eg.Log({"seen": rec.run.global_step}))
     trainer = _fit([logs], max_epochs=2, logger=logger, log_every_n_steps=100)
-    assert [r for r in logger.rows if "seen" in r[1]] == [(3, {"seen": 3.0}), (6, {"seen": 6.0})]
+    assert [r for r in logger.rows if "seen" in r[1]] == [
+        (3, {"seen": 3.0, "epoch": 0.0}),  # a row the run logs carries its epoch, as Lightning's
+        (6, {"seen": 6.0, "epoch": 1.0}),
+    ]
     assert trainer.callback_metrics["seen"] == 6.0
 
 

@@ -293,20 +293,18 @@ def test_non_finite_and_numpy_hparams_round_trip():
         ({"x": {"$float": "1"}}, r"hparams\['x'\]: a dict whose only key is '\$float'"),
     ],
 )
-def test_a_value_json_cannot_hold_is_named_when_saving(tmp_path, hparams, where):
+def test_a_value_json_cannot_hold_is_named_when_fit_starts(tmp_path, hparams, where):
     task = _task(hparams=hparams)
-    trainer = eg.Trainer(max_epochs=1, default_root_dir=tmp_path, **QUIET)
-    with pytest.raises(CheckpointError, match=where):  # the journal's start checkpoint
-        trainer.fit(task, task.init(_net()), _data(2))
-    quiet = eg.Trainer(
-        max_epochs=1, enable_checkpointing=False, enable_journal=False, **QUIET
-    )  # no checkpoint during the fit: the error comes with the first save
-    quiet.fit(task, task.init(_net()), _data(2))
-    with pytest.raises(CheckpointError, match=where):
-        quiet.save_checkpoint(tmp_path / "c")
-    with pytest.raises(CheckpointError, match=where):
-        quiet.save_checkpoint(tmp_path / "c", asynchronous=True)
-    assert not (tmp_path / "c").exists()
+    for flags in ({}, {"enable_checkpointing": False, "enable_journal": False}):
+        seen = []
+        probe = eg.on(eg.Event.ON_TRAIN_BATCH_START, lambda rec, seen=seen: seen.append(1))
+        trainer = eg.Trainer(
+            max_epochs=1, default_root_dir=tmp_path, callbacks=[probe], **{**QUIET, **flags}
+        )
+        with pytest.raises(CheckpointError, match=where):  # up front, not at the first save
+            trainer.fit(task, task.init(_net()), _data(2))
+        assert seen == []
+    assert not list(tmp_path.glob("**/meta.json"))
 
 
 # --------------------------------------------------------------------------- from Lightning

@@ -164,7 +164,7 @@ def fit(
                 if track:
                     reducer.update(metrics, batch_size(batch))
                     if steps and state.step % config.log_every_n_steps == 0:
-                        run.log(state, _host(metrics))
+                        run.log(state, reducer.step_logged(metrics))
                 # a checkpoint saved from now on still validates on resume
                 progress = progress._replace(phase=Phase.BATCH_END)
                 state, progress = run.emit_batch(
@@ -189,7 +189,7 @@ def fit(
 
             # the epoch's end
             if track:
-                epoch_metrics = {f"train/{k}_epoch": v for k, v in reducer.compute().items()}
+                epoch_metrics = reducer.epoch_logged()
                 reducer.reset()
                 run.log(state, epoch_metrics)
             progress = progress._replace(phase=Phase.EPOCH_END)
@@ -291,10 +291,3 @@ def _epoch_done(config: LoopConfig, state: TrainState, progress: Progress) -> bo
     return schedule.epoch_done(
         config, global_step=state.step, should_stop=progress.should_stop, epoch=state.epoch
     )
-
-
-def _host(metrics: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    """A step's metrics as host floats, named for the loggers (one transfer for them all)."""
-    keys = list(metrics)
-    values = torch.stack([metrics[k].detach().float().mean() for k in keys]).tolist()
-    return {f"train/{k}": v for k, v in zip(keys, values, strict=True)}

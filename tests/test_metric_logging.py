@@ -1,0 +1,153 @@
+"""Metrics as Lightning users log them: the names they write, ``self.log``'s options,
+torchmetrics objects computed over the whole epoch, and errors for what cannot be logged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import engine as eg
+from engine import optim
+from engine.listeners import EarlyStopping, ModelCheckpoint
+from engine.metrics import LogOptions
+
+
+class _Rows:
+    """A logger that keeps every row."""
+
+    def __init__(self):
+        self.rows = []
+
+    def log_metrics(self, metrics, step):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params):
+        pass
+
+
+QUIET = {"enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
+
+
+def _data(n: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)
+    ]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(4, 3)
+
+
+def test_names_written_with_their_stage_are_kept_so_lightning_monitors_work(tmp_path):
+    def training_step(model, batch):
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        return loss, {"train_acc": (model(batch[0]).argmax(-1) == batch[1]).float().mean()}
+
+    def validation_step(model, batch):
+        logits = model(batch[0])
+        return {
+            "val_loss": F.cross_entropy(logits, batch[1]),
+            "val_acc": (logits.argmax(-1) == batch[1]).float().mean(),
+        }
+
+    rows = _Rows()
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val_loss", save_top_k=1)
+    task = eg.Task(training_step, optim.sgd(0.1), eval_fn=validation_step)
+    trainer = eg.Trainer(
+        max_epochs=2,
+        logger=rows,
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+        callbacks=[saver, EarlyStopping(monitor="val_loss", patience=5)],
+        **QUIET,
+    )
+    trainer.fit(task, task.init(_model()), _data(), _data(2))
+    assert {"val_loss", "val_acc", "train_acc", "train/loss"} <= set(trainer.callback_metrics)
+    assert "val/val_loss" not in trainer.callback_metrics
+    val_losses = [r["val_loss"] for _, r in rows.rows if "val_loss" in r]
+    assert saver.best_model_path and float(saver.best_model_score) == min(val_losses)
+    named = set().union(*(set(r) for _, r in rows.rows))
+    assert {"val_loss", "train_acc", "train_acc_epoch", "epoch"} <= named
+    # every row the run logs says its epoch, as Lightning's loggers get it
+    assert all("epoch" in r for _, r in rows.rows)
+    assert [r["epoch"] for _, r in rows.rows if "val_loss" in r] == [0.0, 1.0]
+
+
+def test_log_options_choose_step_and_epoch_rows_and_the_reduction():
+    def training_step(model, batch):
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        return loss, {"peak": loss * 2, "only_epoch": loss, "both": loss}
+
+    rows = _Rows()
+    task = eg.Task(
+        training_step,
+        optim.sgd(0.1),
+        log_options={
+            "peak": LogOptions(reduce_fx="max"),
+            "only_epoch": LogOptions(on_step=False, on_epoch=True),
+            "both": LogOptions(on_step=True, on_epoch=True, prog_bar=True),
+        },
+    )
+    seen = []
+    probe = eg.on(eg.Event.ON_TRAIN_BATCH_END, lambda rec: seen.append(float(rec.outputs["loss"])))
+    trainer = eg.Trainer(max_epochs=1, logger=rows, log_every_n_steps=1, callbacks=[probe], **QUIET)
+    trainer.fit(task, task.init(_model()), _data())
+    step_rows = [r for _, r in rows.rows if "train/loss" in r]
+    assert len(step_rows) == 4
+    assert all("train/only_epoch" not in r for r in step_rows)  # on_step=False
+    assert all("train/both_step" in r and "train/both" not in r for r in step_rows)
+    (epoch_row,) = [r for _, r in rows.rows if "train/loss_epoch" in r]
+    assert epoch_row["train/peak_epoch"] == pytest.approx(2 * max(seen), rel=1e-6)  # "max"
+    assert epoch_row["train/only_epoch_epoch"] == pytest.approx(sum(seen) / 4, rel=1e-6)
+    assert "train/both_step" in trainer.progress_bar_metrics  # prog_bar=True
+
+
+def test_a_torchmetrics_metric_is_computed_over_the_whole_epoch_and_reset():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    auroc = torchmetrics.AUROC(task="multiclass", num_classes=3)
+
+    def validation_step(model, batch):
+        probs = model(batch[0]).softmax(-1)
+        auroc.update(probs, batch[1])
+        return {"val_auroc": auroc, "val_loss": F.cross_entropy(model(batch[0]), batch[1])}
+
+    task = eg.Task(
+        lambda m, b: F.cross_entropy(m(b[0]), b[1]), optim.sgd(0.1), eval_fn=validation_step
+    )
+    state = task.init(_model())
+    data = _data(5, seed=3)
+    (result,) = eg.Trainer(logger=False, **QUIET).validate(task, state, data, verbose=False)
+    # the dataset-level value, not a mean of per-batch AUROCs
+    model = state.load_into(_model())
+    with torch.no_grad():
+        probs = torch.cat([model(x).softmax(-1) for x, _ in data])
+    labels = torch.cat([y for _, y in data])
+    expected = torchmetrics.functional.auroc(probs, labels, task="multiclass", num_classes=3)
+    assert result["val_auroc"] == pytest.approx(float(expected), rel=1e-6)
+    per_batch = [
+        float(
+            torchmetrics.functional.auroc(model(x).softmax(-1), y, task="multiclass", num_classes=3)
+        )
+        for x, y in data
+    ]
+    assert result["val_auroc"] != pytest.approx(sum(per_batch) / len(per_batch), rel=1e-6)
+    assert auroc.update_count == 0  # reset for the next epoch
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ("fast", TypeError, r"metric 'note' is a str .* cannot be logged"),
+        (torch.ones(3), ValueError, r"metric 'note' is a tensor of shape \(3,\).*note\.mean\(\)"),
+        ([1.0, 2.0], TypeError, r"metric 'note' is a list"),
+        ({"a": 1}, TypeError, r"metric 'note' is a dict"),
+    ],
+)
+def test_a_value_that_cannot_be_logged_is_named(value, error, match):
+    task = eg.Task(lambda m, b: (F.cross_entropy(m(b[0]), b[1]), {"note": value}), optim.sgd(0.1))
+    with pytest.raises(error, match=match):
+        eg.Trainer(max_epochs=1, barebones=True).fit(task, task.init(_model()), _data(1))
