@@ -1,13 +1,17 @@
-"""The ``engine`` command: ``engine inspect CKPT`` and ``engine replay RUN_DIR``."""
+"""The ``engine`` command: ``fit`` / ``validate`` / ``test`` / ``predict`` from config files,
+``demo``, ``inspect CKPT`` and ``replay RUN_DIR`` (see docs/cli.md)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
+import traceback
 from pathlib import Path
 
 from engine import checkpoint
+from engine._cli_config import STAGES
 
 __all__ = ["main"]
 
@@ -47,6 +51,10 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if info["verified"] else 1
 
 
+# errors of reading a run's files that a replay reports in one line (exit 2)
+_UNREADABLE = (OSError, pickle.UnpicklingError, EOFError)
+
+
 def _replay(args: argparse.Namespace) -> int:
     from engine._replay import ReplayError, replay
 
@@ -54,6 +62,7 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         if args.data:
             data = _import_data(args.data)
+        _check_run_dir(Path(args.run_dir))
         report = replay(
             args.run_dir,
             args.from_step,
@@ -63,10 +72,65 @@ def _replay(args: argparse.Namespace) -> int:
             data=data,
         )
     except (ReplayError, checkpoint.CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
+    except ImportError as e:
+        return _fail(
+            f"{args.run_dir}: the run's pickled code imports {e.name or 'a module'!r}, which "
+            f"cannot be imported here ({e}); install it or add its directory to PYTHONPATH"
+        )
+    except AttributeError as e:
+        if not str(e).startswith("Can't get attribute"):  # not unpickling: a bug, show it
+            traceback.print_exc()
+            return _fail(f"replay failed: {type(e).__name__}: {e}")
+        return _fail(
+            f"{args.run_dir}: unpickling the run's code failed ({e}): the module changed since "
+            "the run; restore the definition it names"
+        )
+    except _UNREADABLE as e:
+        return _fail(f"{args.run_dir} cannot be read: {type(e).__name__}: {e}")
+    except Exception as e:  # the run's own code failed: its traceback is what helps
+        traceback.print_exc()
+        return _fail(f"replay failed: {type(e).__name__}: {e}")
     print(report)
     return 0 if report.identical else 1
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_run_dir(root: Path) -> None:
+    """Refuse, naming the problem, a path that is not a readable run directory or whose journal
+    is damaged (replay itself would fail on it with a less precise error)."""
+    from engine.listeners.journal import JOURNAL
+
+    if not root.exists():
+        raise ValueError(f"{root}: no such directory; pass a run directory (it holds {JOURNAL})")
+    if not root.is_dir():
+        raise ValueError(f"{root} is not a directory; pass a run directory (it holds {JOURNAL})")
+    journal = root / JOURNAL
+    if not journal.is_file():
+        return  # replay says what a run directory is
+    text = journal.read_bytes()
+    entries = 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except ValueError as e:  # not UTF-8 or not JSON
+            raise ValueError(
+                f"{journal}: line {number} is not a JSON object ({e}); the journal is damaged "
+                "(a run killed mid-write leaves at most its last line incomplete: remove it)"
+            ) from None
+        if not isinstance(line, dict) or not isinstance(line.get("step"), int):
+            raise ValueError(
+                f"{journal}: line {number} has no integer 'step'; the journal is damaged"
+            )
+        entries += 1
+    if entries == 0:
+        raise ValueError(f"{journal} is empty: the run journaled no step; nothing to replay")
 
 
 def _import_data(spec: str) -> object:
@@ -76,14 +140,63 @@ def _import_data(spec: str) -> object:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--data {spec!r}: pass MODULE:ATTRIBUTE, e.g. mypkg.data:train_loader")
-    obj = getattr(importlib.import_module(module_name), attr)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"--data {spec!r}: cannot import {module_name!r} ({e}); install it or add its "
+            "directory to PYTHONPATH"
+        ) from None
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"--data {spec!r}: module {module_name!r} has no {attr!r}") from None
     return obj() if callable(obj) else obj
+
+
+def _demo(argv: list[str]) -> int:
+    """Run examples/digits.py (a source checkout's) with ``argv``."""
+    import runpy
+
+    import engine
+
+    script = Path(engine.__file__).resolve().parent.parent / "examples" / "digits.py"
+    if not script.is_file():
+        return _fail(
+            f"engine demo runs examples/digits.py of a source checkout, not found at {script}; "
+            "clone the repository and install it with pip install -e '.[demo]'"
+        )
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        return _fail("engine demo needs scikit-learn (its digits data): pip install 'engine[demo]'")
+    namespace = runpy.run_path(str(script), run_name="engine_demo")
+    program, sys.argv[0] = sys.argv[0], "engine demo"  # the script's --help names the command
+    try:
+        namespace["main"](argv)
+    finally:
+        sys.argv[0] = program
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``engine`` command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in STAGES:  # their own parser: config files and --KEY=VALUE overrides
+        from engine._cli_config import run
+
+        return run(argv[0], argv[1:])
+    if argv and argv[0] == "demo":  # the script parses its own flags
+        return _demo(argv[1:])
     parser = argparse.ArgumentParser(prog="engine", description="engine's command line")
     sub = parser.add_subparsers(dest="command", required=True)
+    for stage, text in STAGES.items():  # listed here; parsed by engine._cli_config
+        sub.add_parser(stage, help=f"{text} (engine {stage} --help)", add_help=False)
+    sub.add_parser(
+        "demo",
+        help="train on scikit-learn's digits (examples/digits.py; engine demo --epochs 3)",
+        add_help=False,
+    )
     p = sub.add_parser("inspect", help="show a checkpoint's counters, metrics and integrity")
     p.add_argument("path", help="a checkpoint directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")

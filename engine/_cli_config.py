@@ -1,0 +1,241 @@
+"""``engine fit`` / ``validate`` / ``test`` / ``predict``: a run described by config files and
+``--key=value`` overrides, parsed with jsonargparse as LightningCLI parses its own.
+
+The config's sections: ``trainer`` (the :class:`~engine.Trainer`'s flags), ``model`` (an
+``nn.Module``), ``task`` (an :class:`~engine.Task`), ``data`` (a datamodule), ``seed_everything``
+and ``ckpt_path``; ``model``, ``task`` and ``data`` are ``class_path`` + ``init_args`` of a class,
+or of a function annotated to return one. See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any, Protocol, Union
+
+import torch
+from torch import nn
+
+__all__ = ["STAGES", "build_parser", "run"]
+
+STAGES = {
+    "fit": "train a model described by config files (LightningCLI's fit)",
+    "validate": "run one validation epoch on a checkpoint's weights",
+    "test": "run one test epoch on a checkpoint's weights",
+    "predict": "run prediction on a checkpoint's weights",
+}
+
+_CKPT_HELP = {
+    "fit": 'a checkpoint to resume from: a path, or "last" (the newest under the run\'s root)',
+    "validate": "the checkpoint whose weights to validate",
+    "test": "the checkpoint whose weights to test",
+    "predict": "the checkpoint whose weights predict",
+}
+
+
+# A datamodule serves at least one of these (engine's duck-typed DataModule protocol, which a
+# LightningDataModule satisfies); jsonargparse checks a data class_path against their union.
+class _TrainData(Protocol):
+    def train_dataloader(self): ...
+
+
+class _ValData(Protocol):
+    def val_dataloader(self): ...
+
+
+class _TestData(Protocol):
+    def test_dataloader(self): ...
+
+
+class _PredictData(Protocol):
+    def predict_dataloader(self): ...
+
+
+_DataModule = Union[_TrainData, _ValData, _TestData, _PredictData]  # noqa: UP007 (a runtime type)
+
+
+# the datamodule method each stage reads its batches from
+_LOADER = {
+    "fit": "train_dataloader",
+    "validate": "val_dataloader",
+    "test": "test_dataloader",
+    "predict": "predict_dataloader",
+}
+
+
+def build_parser(stage: str) -> Any:
+    """The jsonargparse parser of ``engine STAGE``."""
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+    from engine.events import Listener
+    from engine.loggers import Logger
+    from engine.task import Task
+    from engine.trainer import Trainer
+
+    # Task is an attrs class, whose subclasses jsonargparse refuses by default; a class_path may
+    # name a Task subclass or a function returning a Task
+    set_parsing_settings(subclasses_enabled=[Task])
+    parser = ArgumentParser(
+        prog=f"engine {stage}",
+        description=f"{STAGES[stage]}; the config keys are described in docs/cli.md",
+        usage=f"engine {stage} [--config CONFIG.yaml ...] [--KEY=VALUE ...] [--print_config]",
+        allow_abbrev=False,  # --trainer.max_epoch must not silently mean --trainer.max_epochs
+        default_env=False,
+    )
+    parser.add_argument(
+        "--config",
+        action=ActionConfigFile,
+        help="a YAML config file; give several and the later ones win, as do --KEY=VALUE",
+    )
+    parser.add_argument(
+        "--seed_everything",
+        type=int,
+        default=0,
+        help="seeds torch, random and numpy before the model is built, and the TrainState",
+    )
+    parser.add_class_arguments(
+        Trainer,
+        "trainer",
+        instantiate=False,  # built by run(), so that its own errors name the flag
+        skip={"callbacks", "logger"},
+        fail_untyped=False,
+    )
+    parser.add_argument(
+        "--trainer.callbacks",
+        type=Union[list[Listener], Listener, None],  # noqa: UP007
+        default=None,
+        help="listeners: class_path + init_args each (--trainer.callbacks+=CLASS to append)",
+    )
+    parser.add_argument(
+        "--trainer.logger",
+        type=Union[bool, Logger, list[Logger], None],  # noqa: UP007
+        default=None,
+        help="true (TensorBoard), false, or loggers as class_path + init_args",
+    )
+    parser.add_argument(
+        "--model",
+        type=nn.Module,
+        required=True,
+        help="the nn.Module: class_path (or a function returning one) and init_args",
+    )
+    parser.add_argument(
+        "--task",
+        type=Task,
+        required=True,
+        help="the engine.Task: a function returning one (class_path) and its init_args",
+    )
+    parser.add_argument(
+        "--data",
+        type=_DataModule,
+        required=True,
+        help="a datamodule (a class with train_dataloader() and the like): class_path, init_args",
+    )
+    parser.add_argument("--ckpt_path", type=Union[str, None], default=None, help=_CKPT_HELP[stage])  # noqa: UP007
+    if stage == "predict":
+        parser.add_argument(
+            "--predictions_path",
+            type=Union[str, None],  # noqa: UP007
+            default=None,
+            help="save the predictions there with torch.save (a list of each batch's outputs)",
+        )
+    return parser
+
+
+def seed_everything(seed: int) -> None:
+    """Seed the global generators the model's initial weights and the data may draw from."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        return
+    np.random.seed(seed % 2**32)
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(stage: str, argv: list[str]) -> int:
+    """Parse ``argv`` for ``engine STAGE``, build the pieces and run the stage; the exit status.
+
+    A bad key or value exits 2 from the parser; a flag the Trainer refuses exits 2 here.
+    """
+    from engine.trainer import Trainer
+
+    parser = build_parser(stage)
+    cfg = parser.parse_args(argv)  # --print_config prints and exits 0 in here
+    seed = int(cfg.seed_everything)
+    seed_everything(seed)
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    init = instantiate(cfg)
+    flags = init.trainer.as_dict() if hasattr(init.trainer, "as_dict") else dict(init.trainer)
+    try:
+        trainer = Trainer(**flags)
+    except (TypeError, ValueError) as e:
+        return _error(f"trainer: {e}")
+    model, task, data, ckpt_path = init.model, init.task, init.data, init.ckpt_path
+    needed = _LOADER[stage]
+    if not callable(getattr(data, needed, None)):
+        return _error(
+            f"data: {type(data).__module__}.{type(data).__qualname__} has no {needed}() "
+            f"method, which engine {stage} reads its batches from; give data.class_path a "
+            "class that has one"
+        )
+    state = task.init(model, seed=seed)
+    if stage == "fit":
+        state = trainer.fit(task, state, datamodule=data, ckpt_path=ckpt_path)
+        _report_fit(trainer, state)
+        return 0
+    if ckpt_path is None:
+        print(
+            f"warning: engine {stage} without --ckpt_path uses the model's initial weights",
+            file=sys.stderr,
+        )
+    if stage in ("validate", "test"):
+        method = trainer.validate if stage == "validate" else trainer.test
+        results = method(task, state, datamodule=data, ckpt_path=ckpt_path)
+        if trainer.barebones:  # the Trainer prints nothing then
+            print(results)
+        return 0
+    outputs = trainer.predict(task, state, datamodule=data, ckpt_path=ckpt_path)
+    _report_predict(outputs or [], init.predictions_path)
+    return 0
+
+
+def _report_fit(trainer: Any, state: Any) -> None:
+    print(f"fit: {trainer.current_epoch} epochs, {state.step} optimizer steps")
+    for name, value in sorted(trainer.callback_metrics.items()):
+        print(f"  {name} = {float(value):.6g}")
+    from engine.listeners import ModelCheckpoint
+
+    savers = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    for saver in savers:
+        if saver.best_model_path:
+            print(f"best checkpoint: {saver.best_model_path}")
+        if saver.last_model_path and saver.last_model_path != saver.best_model_path:
+            print(f"last checkpoint: {saver.last_model_path}")
+    if trainer.run_dir is not None:
+        print(f"run directory: {trainer.run_dir} (engine replay {trainer.run_dir} --trust-code)")
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"Tensor{list(out.shape)} {str(out.dtype).removeprefix('torch.')}"
+    if isinstance(out, (list, tuple)):
+        return f"{type(out).__name__} of {len(out)}"
+    if isinstance(out, dict):
+        return f"dict with keys {sorted(map(str, out))}"
+    return type(out).__name__
+
+
+def _report_predict(outputs: list[Any], path: str | None) -> None:
+    batches = outputs
+    if outputs and isinstance(outputs[0], list):  # several dataloaders: a list per loader
+        batches = [b for loader in outputs for b in loader]
+    first = f"; the first batch's output: {_describe(batches[0])}" if batches else ""
+    print(f"predict: {len(batches)} batches{first}")
+    if path is not None:
+        torch.save(outputs, path)
+        print(f"predictions saved to {path} (torch.load({path!r}))")
