@@ -300,6 +300,13 @@ _LIGHTNING_CALLBACKS = {
     "RichProgressBar": "engine.listeners.ProgressBar",
     "LambdaCallback": "engine.on(engine.Event.ON_..., fn) for each hook",
     "GradientAccumulationScheduler": "Trainer(accumulate_grad_batches=...)",
+    "StochasticWeightAveraging": "engine.listeners.StochasticWeightAveraging (the same "
+    "arguments; the optimizer built with optim.inject_hyperparams)",
+    "EMAWeightAveraging": "engine.listeners.EMAWeightAveraging, with "
+    "tx=optim.ema_weights(optim.adamw(...), decay=...)",
+    "BackboneFinetuning": "engine.listeners.BackboneFinetuning, with tx=optim.freezable(...)",
+    "BaseFinetuning": "engine.listeners.Finetuning (override finetune_function), with "
+    "tx=optim.freezable(...)",
 }
 
 

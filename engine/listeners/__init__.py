@@ -18,6 +18,10 @@ Those with state worth checkpointing (``EarlyStopping``, ``Timer``) implement ``
 :class:`Timer`            time each loop; stop when a time budget is spent
 :class:`ReduceLROnPlateau`  cut the learning rate when a monitored metric plateaus
 :class:`LearningRateSchedule`  a schedule stepped per epoch (Lightning's ``interval``)
+:class:`EMAWeightAveraging`  evaluate and finish with the weights' moving average
+:class:`StochasticWeightAveraging`  Lightning's SWA: average per epoch, SWALR, BatchNorm
+:class:`Finetuning`       freeze and unfreeze parameter groups by epoch
+:class:`BackboneFinetuning`  Lightning's backbone schedule
 ========================  ======================================================
 
 Example:
@@ -26,8 +30,15 @@ Example:
     ...              Timer(duration="00:01:00:00")]
 """
 
+from engine.listeners.averaging import EMAWeightAveraging, StochasticWeightAveraging, swalr
 from engine.listeners.checkpoint import ModelCheckpoint
 from engine.listeners.early_stopping import EarlyStopping, EarlyStoppingReason
+from engine.listeners.finetuning import (
+    BackboneFinetuning,
+    Finetuning,
+    FinetuningTransition,
+    multiplicative,
+)
 from engine.listeners.journal import Journal
 from engine.listeners.lr_monitor import LearningRateMonitor
 from engine.listeners.lr_schedule import LearningRateSchedule, ReduceLROnPlateau
@@ -36,8 +47,12 @@ from engine.listeners.summary import ModelSummary, summarize
 from engine.listeners.timer import Timer, parse_duration
 
 __all__ = [
+    "BackboneFinetuning",
+    "EMAWeightAveraging",
     "EarlyStopping",
     "EarlyStoppingReason",
+    "Finetuning",
+    "FinetuningTransition",
     "Journal",
     "LearningRateMonitor",
     "LearningRateSchedule",
@@ -45,7 +60,10 @@ __all__ = [
     "ModelSummary",
     "ProgressBar",
     "ReduceLROnPlateau",
+    "StochasticWeightAveraging",
     "Timer",
+    "multiplicative",
     "parse_duration",
     "summarize",
+    "swalr",
 ]

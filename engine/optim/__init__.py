@@ -40,6 +40,17 @@ from engine.optim.base import (
     load_state_dict,
     state_dict,
 )
+from engine.optim.averaging import EmaState, ema_params, ema_weights
+from engine.optim.freezing import (
+    FreezableState,
+    freezable,
+    freeze,
+    frozen_names,
+    get_group_hyperparams,
+    match_prefixes,
+    set_group_hyperparams,
+    unfreeze,
+)
 from engine.optim.inject import (
     InjectHyperparamsState,
     get_hyperparams,
@@ -116,7 +127,19 @@ __all__ = [
     "get_hyperparams",
     "inject_hyperparams",
     "set_hyperparams",
+    # weight averaging and freezing (averaging, freezing)
+    "ema_params",
+    "ema_weights",
+    "freezable",
+    "freeze",
+    "frozen_names",
+    "get_group_hyperparams",
+    "match_prefixes",
+    "set_group_hyperparams",
+    "unfreeze",
     # states
+    "EmaState",
+    "FreezableState",
     "InjectHyperparamsState",
     "MaskedState",
     "MultiTransformState",
