@@ -79,3 +79,22 @@ def test_bad_uses_are_named():
         optim.set_hyperparams(injected, momentum=0.9)
     with pytest.raises(TypeError, match="pass a number"):
         optim.set_hyperparams(injected, lr="0.1")
+
+
+@pytest.mark.slow
+def test_an_injected_optimizer_compiles_and_follows_a_changed_lr():
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(6, 5, generator=g), torch.randn(6, 2, generator=g)) for _ in range(4)]
+    loss_fn = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()  # noqa: E731
+    finals = []
+    for compile in (False, True):
+        tx = optim.inject_hyperparams(optim.adamw)(lr=1e-2)
+        state = eg.TrainState.create(_model(), tx)
+        step = eg.train_step(loss_fn, tx, compile=compile)
+        for i, batch in enumerate(data):
+            if i == 2:
+                state = state.replace(opt_state=optim.set_hyperparams(state.opt_state, lr=1e-3))
+            state, _ = step(state, batch)
+        finals.append(state)
+    for name, p in finals[0].params.items():
+        torch.testing.assert_close(finals[1].params[name], p, rtol=1e-5, atol=1e-6)

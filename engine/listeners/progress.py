@@ -389,11 +389,15 @@ class ProgressBar(Listener):
         return items
 
     def _eval_postfix(self, loop: _Loop, run: RunView, prefix: str) -> dict[int, dict[str, Any]]:
-        """Each dataloader's ``prefix/`` metrics (those suffixed with its index when the loop
-        has several), for the lines of an evaluation loop."""
+        """Each dataloader's metrics of the stage ``prefix`` (those suffixed with its index when
+        the loop has several), for the lines of an evaluation loop."""
         if not prefix:
             return {}
-        metrics = {k: v for k, v in self.get_metrics(run).items() if k.startswith(f"{prefix}/")}
+        metrics = {  # val/loss or val_loss: named for this stage (engine.metrics.metric_name)
+            k: v
+            for k, v in self.get_metrics(run).items()
+            if k.startswith(prefix) and k[len(prefix) : len(prefix) + 1] in ("/", "_")
+        }
         if len(loop.totals) <= 1:
             return {0: metrics}
         return {

@@ -27,6 +27,7 @@ from engine.optim.adaptive import (
     scale_by_rms,
 )
 from engine.optim.aliases import adagrad, adam, adamw, lion, rmsprop, sgd
+from engine.optim.averaging import EmaState, ema_params, ema_weights
 from engine.optim.base import (
     GradientTransformation,
     OptState,
@@ -40,7 +41,6 @@ from engine.optim.base import (
     load_state_dict,
     state_dict,
 )
-from engine.optim.averaging import EmaState, ema_params, ema_weights
 from engine.optim.freezing import (
     FreezableState,
     freezable,

@@ -237,7 +237,11 @@ def load_state_dict(template: OptState, sd: Mapping[str, Any]) -> OptState:
                 f"{ref!r}, got {value!r} ({type(value).__name__})"
             )
         out.append(value)
-    return pytree.tree_unflatten(out, spec)
+    state = pytree.tree_unflatten(out, spec)
+    from engine.optim.inject import warm  # inject builds on this module
+
+    warm(state)  # injected hyperparameters: their optimizers built before any compiled step
+    return state
 
 
 def _numbers(value: Any, ref: Any) -> bool:

@@ -10,6 +10,7 @@ optimizer's numeric arguments into its state (optax's ``inject_hyperparams``);
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -81,16 +82,9 @@ def inject_hyperparams(
         numeric = {k: float(v) for k, v in kwargs.items() if _numeric(v)}
         fixed = {k: v for k, v in kwargs.items() if not _numeric(v)}
         factory(**fixed, **numeric)  # refuses bad arguments now, not at the first step
-        built: OrderedDict[tuple[tuple[str, float], ...], GradientTransformation] = OrderedDict()
-
-        def tx_for(values: dict[str, float]) -> GradientTransformation:
-            key = tuple(sorted(values.items()))
-            tx = built.get(key)
-            if tx is None:
-                tx = built[key] = factory(**fixed, **values)
-                if len(built) > 16:  # a schedule of values: keep the recent ones
-                    built.popitem(last=False)
-            return tx
+        builder = _Builder(factory, fixed, tuple(sorted(numeric)))
+        _BUILDERS.add(builder)
+        tx_for = builder.tx_for
 
         def init(params: Params) -> InjectHyperparamsState:
             return InjectHyperparamsState(dict(numeric), tx_for(numeric).init(params))
@@ -109,9 +103,50 @@ def inject_hyperparams(
             apply_updates(params, out)
             return InjectHyperparamsState(state.hyperparams, inner)
 
-        return GradientTransformation(init, update, apply)
+        tx = GradientTransformation(init, update, apply)
+        _KEEP_ALIVE[tx] = builder  # the builder lives as long as the optimizer
+        return tx
 
     return build
+
+
+class _Builder:
+    """Builds (and keeps) the optimizer for each set of hyperparameter values it meets."""
+
+    def __init__(self, factory: Callable[..., Any], fixed: dict[str, Any], keys: tuple) -> None:
+        self.factory, self.fixed, self.keys = factory, fixed, keys
+        self.built: OrderedDict[tuple[tuple[str, float], ...], GradientTransformation] = (
+            OrderedDict()
+        )
+
+    def tx_for(self, values: dict[str, float]) -> GradientTransformation:
+        # float(): under torch.compile the state's numbers arrive symbolic; a graph is
+        # specialised to them (a new value, as after a plateau, recompiles once). Building an
+        # optimizer cannot be traced, so values are built eagerly first (see warm())
+        key = tuple((k, float(values[k])) for k in sorted(values))
+        tx = self.built.get(key)
+        if tx is None:
+            tx = self.built[key] = self.factory(**self.fixed, **dict(key))
+            if len(self.built) > 16:  # a schedule of values: keep the recent ones
+                self.built.popitem(last=False)
+        return tx
+
+
+_BUILDERS: weakref.WeakSet[_Builder] = weakref.WeakSet()
+_KEEP_ALIVE: weakref.WeakKeyDictionary[GradientTransformation, _Builder] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def warm(opt_state: OptState) -> None:
+    """Build, outside any compiled code, the optimizers for the hyperparameter values an
+    optimizer state holds (``set_hyperparams`` and checkpoint loading call this), so a compiled
+    step finds them built."""
+    for _, found in _found(opt_state):
+        keys = tuple(sorted(found.hyperparams))
+        for builder in list(_BUILDERS):
+            if builder.keys == keys:
+                builder.tx_for(found.hyperparams)
 
 
 def _found(opt_state: OptState) -> list[tuple[Any, InjectHyperparamsState]]:
@@ -160,4 +195,6 @@ def set_hyperparams(opt_state: OptState, **values: float) -> OptState:
         return x
 
     is_leaf = lambda x: isinstance(x, InjectHyperparamsState)  # noqa: E731
-    return pytree.tree_map(replace, opt_state, is_leaf=is_leaf)
+    out = pytree.tree_map(replace, opt_state, is_leaf=is_leaf)
+    warm(out)
+    return out
