@@ -50,3 +50,22 @@ def test_gan_on_two_moons_learns_and_its_run_replays(tmp_path, capsys):
     (journal,) = tmp_path.rglob("journal.jsonl")
     report = eg.replay(journal.parent, 400, 480, trust_code=True)
     assert report.identical and report.steps >= 80, str(report)
+
+
+def test_the_lightning_port_trains_checkpoints_on_val_loss_and_replays(tmp_path, capsys):
+    import csv
+
+    import engine as eg
+
+    results = _load("lightning_port").main(["--epochs", "12", "--root", str(tmp_path)])
+    assert results["test_acc"] >= 0.9 and 0.85 <= results["test_f1"] <= 1.0
+    out = capsys.readouterr().out
+    assert "best checkpoint" in out and "val_loss" in out
+    # Lightning's names reach the loggers as written, each row with its epoch
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    with open(metrics) as f:
+        header = next(csv.reader(f))
+    assert {"val_loss", "val_f1", "train_acc", "lr", "epoch"} <= set(header), header
+    (journal,) = tmp_path.rglob("journal.jsonl")
+    report = eg.replay(journal.parent, trust_code=True)
+    assert report.identical, str(report)
