@@ -51,6 +51,8 @@ class RunRecord(NamedTuple):
     progress_bar_metrics: Mapping[str, float]
     # the task's hyperparameters (Task(hparams=...)), recorded as meta.json's extra["hparams"]
     hparams: Mapping[str, Any] | None = None
+    # the datamodule's state_dict(), recorded as extra["datamodule"] (JSON values)
+    datamodule: Mapping[str, Any] | None = None
 
 
 class Restored(NamedTuple):
@@ -156,6 +158,8 @@ class Checkpointer:
         }
         if run.hparams:  # a value JSON cannot hold is named here, before anything is written
             extra["hparams"] = checkpoint._hparams_doc(run.hparams)
+        if run.datamodule:
+            extra["datamodule"] = dict(run.datamodule)
         metrics = dict(run.callback_metrics) if metrics is None else metrics
         if asynchronous:  # its fingerprint is hashed from the snapshot, off the loop (journal)
             return self.io.save_async(

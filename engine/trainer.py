@@ -206,7 +206,7 @@ class Trainer(FlagViews):
         self._profiler = Profiler(self.config.profiler)
         self.ckpt_path: str | None = None  # the checkpoint the current run resumed from
         self.train_dataloader: Any = None  # what fit() trains on (Lightning's attribute)
-        self.datamodule: Any = None  # the datamodule fit() was given, if any
+        self.datamodule: Any = None  # the datamodule the current or last run was given
         self._emitter = Emitter(())  # rebuilt from the listeners by each run
         self._transforms = transforms.compose()  # the run's step transforms (_pipeline)
 
@@ -410,6 +410,7 @@ class Trainer(FlagViews):
             self.logged_metrics,
             self.progress_bar_metrics,
             hparams=None if self.task is None else self.task.hparams,
+            datamodule=_datamodule_state(self.datamodule),
         )
 
     def _restore(self, ckpt_path: str | os.PathLike[str], template: TrainState) -> None:
@@ -430,6 +431,10 @@ class Trainer(FlagViews):
                 setattr(self, name, values)
             self._version += 1
             self._progress = restored.progress
+        saved = checkpoint.read_meta(path).get("extra", {}).get("datamodule")
+        load = getattr(self.datamodule, "load_state_dict", None)
+        if saved is not None and callable(load):  # Lightning's restore_datamodule
+            load(saved)
         self._emit(Event.ON_LOAD_CHECKPOINT, checkpoint_path=str(path))
 
     # ------------------------------------------------------------------ events
@@ -944,6 +949,7 @@ class Trainer(FlagViews):
             datamodule, dataloaders = dataloaders, None
         if datamodule is not None:
             setup_datamodule(datamodule, stage)
+        self.datamodule = datamodule
         loaders = resolve_loaders(stage, dataloaders, datamodule, method)
         if not loaders:
             raise ValueError(
@@ -981,6 +987,7 @@ class Trainer(FlagViews):
             datamodule, dataloaders = dataloaders, None
         if datamodule is not None:
             setup_datamodule(datamodule, "predict")
+        self.datamodule = datamodule
         loaders = resolve_loaders("predict", dataloaders, datamodule, "predict_dataloader")
         if not loaders:
             raise ValueError(
@@ -1098,6 +1105,14 @@ class _FitRun:
         if t._signals.received is not None:
             t._state, t._progress = state, progress
             t._signals.stop(state, t.default_root_dir, t.save_checkpoint)
+
+
+def _datamodule_state(datamodule: Any) -> Mapping[str, Any] | None:
+    """A datamodule's ``state_dict()`` for the checkpoint (Lightning saves it too), if it has
+    one and it is not empty."""
+    get = getattr(datamodule, "state_dict", None)
+    state = get() if callable(get) else None
+    return state or None
 
 
 def _check_custom_step(trainer: Trainer) -> None:

@@ -179,3 +179,32 @@ def test_a_datamodule_passed_positionally_is_set_up_too():
     task = eg.Task(lambda m, b: F.cross_entropy(m(b[0]), b[1]), optim.sgd(0.1))
     eg.Trainer(max_epochs=1, **QUIET).fit(task, task.init(nn.Linear(4, 3)), dm)
     assert _hooks(dm.calls) == ["prepare_data", "setup(fit)", "teardown(fit)"]
+
+
+def test_a_datamodules_state_dict_travels_in_checkpoints_and_is_restored(tmp_path):
+    class Counting(Digits):
+        def __init__(self):
+            super().__init__()
+            self.epochs_served = 0
+
+        def train_dataloader(self):
+            self.epochs_served += 1
+            return super().train_dataloader()
+
+        def state_dict(self):
+            return {"epochs_served": self.epochs_served}
+
+        def load_state_dict(self, state):
+            self.epochs_served = state["epochs_served"] + 100  # marks that it was called
+
+    task = eg.Task(lambda m, b: F.cross_entropy(m(b[0]), b[1]), optim.sgd(0.1))
+    flags = {**QUIET, "enable_checkpointing": True}
+    first = eg.Trainer(max_epochs=2, default_root_dir=tmp_path, **flags)
+    first.fit(task, task.init(nn.Linear(4, 3)), datamodule=Counting())
+    first.save_checkpoint(tmp_path / "c")
+    assert eg.checkpoint.read_meta(tmp_path / "c")["extra"]["datamodule"] == {"epochs_served": 1}
+    resumed = Counting()
+    eg.Trainer(max_epochs=3, default_root_dir=tmp_path, **flags).fit(
+        task, task.init(nn.Linear(4, 3)), datamodule=resumed, ckpt_path=tmp_path / "c"
+    )
+    assert resumed.epochs_served == 101  # restored after its own train_dataloader() call
