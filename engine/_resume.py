@@ -231,6 +231,14 @@ class Checkpointer:
     ) -> TrainState:
         """The state in the checkpoint at ``path`` (``asked``: the ``ckpt_path`` given), with
         ``template``'s structure; a fit refuses a weights-only one."""
+        if path.is_file():  # engine's checkpoints are directories
+            raise checkpoint.CheckpointError(
+                f"{stage}(ckpt_path={str(asked)!r}): {path} is a file, not an engine checkpoint "
+                "(a directory). A Lightning .ckpt gives its weights to a new fit: state = "
+                "checkpoint.from_lightning(path, task.init(model)), then trainer.fit(task, "
+                "state, ...); a plain state_dict file: model.load_state_dict(torch.load(path, "
+                "weights_only=True)) before task.init(model)"
+            )
         if stage == "fit" and checkpoint.read_meta(path).get("weights_only"):
             raise ValueError(
                 f"fit(ckpt_path={str(asked)!r}): {path} holds only the model's weights (saved "

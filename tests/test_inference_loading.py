@@ -437,3 +437,11 @@ def test_from_lightning_handles_tied_weights_and_non_persistent_buffers(tmp_path
     assert sorted(state.params) == ["embed.weight"]
     assert torch.equal(state.params["embed.weight"], source.embed.weight)
     assert torch.equal(state.buffers["cache"], torch.full((3,), 7.0))  # not in a state_dict: kept
+
+
+def test_fit_from_a_lightning_ckpt_file_points_to_from_lightning(tmp_path):
+    path, _ = _lightning_checkpoint(tmp_path)
+    task = _task()
+    trainer = eg.Trainer(max_epochs=1, default_root_dir=tmp_path, **QUIET)
+    with pytest.raises(CheckpointError, match=r"is a file.*checkpoint\.from_lightning"):
+        trainer.fit(task, task.init(_net()), _data(2), ckpt_path=path)
