@@ -209,6 +209,7 @@ class Trainer(FlagViews):
         self.datamodule: Any = None  # the datamodule the current or last run was given
         self._emitter = Emitter(())  # rebuilt from the listeners by each run
         self._transforms = transforms.compose()  # the run's step transforms (_pipeline)
+        self._log_step: int | None = None  # the step an evaluation's rows are logged at
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -340,7 +341,9 @@ class Trainer(FlagViews):
         """
         row = dict(metrics)
         if step is None:  # a row of the run's own: Lightning adds the epoch to it
-            step = self.global_step
+            # validate/test/predict from a checkpoint log at the step of the state given, not
+            # the checkpoint's (Lightning's global_step is the fit's): rows stay in step order
+            step = self.global_step if self._log_step is None else self._log_step
             row.setdefault("epoch", float(self.current_epoch))
         for lg in self.loggers:
             lg.log_metrics(row, step)
@@ -585,6 +588,7 @@ class Trainer(FlagViews):
             )
         state.check_alive(f"Trainer.{stage}()")
         self.task, self._state, self.stage = task, state, stage
+        self._log_step = None if stage == "fit" else state.step
         self._progress = self._progress._replace(should_stop=False)
         self.ckpt_path = None  # set by _restore when this run resumes from a checkpoint
         self._emitter = Emitter(self.callbacks)

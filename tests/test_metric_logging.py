@@ -151,3 +151,23 @@ def test_a_value_that_cannot_be_logged_is_named(value, error, match):
     task = eg.Task(lambda m, b: (F.cross_entropy(m(b[0]), b[1]), {"note": value}), optim.sgd(0.1))
     with pytest.raises(error, match=match):
         eg.Trainer(max_epochs=1, barebones=True).fit(task, task.init(_model()), _data(1))
+
+
+def test_test_metrics_from_the_best_checkpoint_are_logged_after_the_fits_rows(tmp_path):
+    rows = _Rows()
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/loss", mode="max")
+    task = eg.Task(lambda m, b: F.cross_entropy(m(b[0]), b[1]), optim.sgd(0.5))
+    trainer = eg.Trainer(
+        max_epochs=4,
+        logger=rows,
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+        callbacks=[saver],
+        **QUIET,
+    )
+    state = trainer.fit(task, task.init(_model()), _data(), _data(2))
+    assert "step=16" not in saver.best_model_path  # an earlier checkpoint is the "best" here
+    trainer.test(task, state, _data(2), ckpt_path="best", verbose=False)
+    steps = [step for step, _ in rows.rows]
+    assert steps == sorted(steps) and "test/loss" in rows.rows[-1][1]
+    assert rows.rows[-1][0] == 16  # at the step the run had reached, as Lightning logs it
