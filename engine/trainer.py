@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -210,6 +211,7 @@ class Trainer(FlagViews):
         self._emitter = Emitter(())  # rebuilt from the listeners by each run
         self._transforms = transforms.compose()  # the run's step transforms (_pipeline)
         self._log_step: int | None = None  # the step an evaluation's rows are logged at
+        self._resolved: tuple[Any, Path | None] | None = None  # ckpt_path resolved early
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -420,7 +422,8 @@ class Trainer(FlagViews):
         """Continue from the checkpoint ``ckpt_path`` names: its state, its listeners' states
         and, for a fit, the loop's position and the metrics."""
         saver = self._checkpointer
-        path = saver.resolve(ckpt_path)
+        early, self._resolved = self._resolved, None
+        path = early[1] if early is not None and early[0] is ckpt_path else saver.resolve(ckpt_path)
         if path is None:
             return
         self._state = saver.load(path, template, stage=self.stage, asked=ckpt_path)
@@ -434,11 +437,29 @@ class Trainer(FlagViews):
                 setattr(self, name, values)
             self._version += 1
             self._progress = restored.progress
-        saved = checkpoint.read_meta(path).get("extra", {}).get("datamodule")
-        load = getattr(self.datamodule, "load_state_dict", None)
-        if saved is not None and callable(load):  # Lightning's restore_datamodule
-            load(saved)
+        if early is None:
+            self._restore_datamodule(path)
         self._emit(Event.ON_LOAD_CHECKPOINT, checkpoint_path=str(path))
+
+    def _datamodule_first(self, ckpt_path: Any, datamodule: Any) -> None:
+        """Lightning restores a datamodule's state before asking it for loaders: resolve the
+        checkpoint now (once; the run's restore uses it) and give the datamodule its state."""
+        self._resolved = None
+        if ckpt_path is None or datamodule is None:
+            return
+        path = self._checkpointer.resolve(ckpt_path)
+        self._resolved = (ckpt_path, path)
+        if path is not None:
+            self._restore_datamodule(path, datamodule)
+
+    def _restore_datamodule(self, path: Path, datamodule: Any = None) -> None:
+        datamodule = self.datamodule if datamodule is None else datamodule
+        load = getattr(datamodule, "load_state_dict", None)
+        if not callable(load) or not (path / checkpoint.META).is_file():
+            return
+        saved = checkpoint.read_meta(path).get("extra", {}).get("datamodule")
+        if saved is not None:  # Lightning's restore_datamodule
+            load(saved)
 
     # ------------------------------------------------------------------ events
 
@@ -672,6 +693,7 @@ class Trainer(FlagViews):
             datamodule, train_dataloaders = train_dataloaders, None
         if datamodule is not None:  # Lightning's protocol: before its loaders are asked for
             setup_datamodule(datamodule, "fit")
+        self._datamodule_first(ckpt_path, datamodule)
         train_loaders = resolve_loaders("fit", train_dataloaders, datamodule, "train_dataloader")
         if len(train_loaders) != 1:
             raise ValueError(
@@ -954,6 +976,7 @@ class Trainer(FlagViews):
         if datamodule is not None:
             setup_datamodule(datamodule, stage)
         self.datamodule = datamodule
+        self._datamodule_first(ckpt_path, datamodule)
         loaders = resolve_loaders(stage, dataloaders, datamodule, method)
         if not loaders:
             raise ValueError(
@@ -992,6 +1015,7 @@ class Trainer(FlagViews):
         if datamodule is not None:
             setup_datamodule(datamodule, "predict")
         self.datamodule = datamodule
+        self._datamodule_first(ckpt_path, datamodule)
         loaders = resolve_loaders("predict", dataloaders, datamodule, "predict_dataloader")
         if not loaders:
             raise ValueError(

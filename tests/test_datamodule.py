@@ -207,4 +207,4 @@ def test_a_datamodules_state_dict_travels_in_checkpoints_and_is_restored(tmp_pat
     eg.Trainer(max_epochs=3, default_root_dir=tmp_path, **flags).fit(
         task, task.init(nn.Linear(4, 3)), datamodule=resumed, ckpt_path=tmp_path / "c"
     )
-    assert resumed.epochs_served == 101  # restored after its own train_dataloader() call
+    assert resumed.epochs_served == 102  # restored (1 + 100), then asked for its loader
