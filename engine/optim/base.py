@@ -238,10 +238,14 @@ def load_state_dict(template: OptState, sd: Mapping[str, Any]) -> OptState:
             )
         out.append(value)
     state = pytree.tree_unflatten(out, spec)
-    from engine.optim.inject import warm  # inject builds on this module
-
-    warm(state)  # injected hyperparameters: their optimizers built before any compiled step
+    for hook in LOADED:  # e.g. injected hyperparameters: their optimizers built now, eagerly
+        hook(state)
     return state
+
+
+LOADED: list[Callable[[OptState], None]] = []
+"""Called with every optimizer state :func:`load_state_dict` rebuilds (registered by the modules
+whose transformations need to prepare for loaded values, such as ``inject``)."""
 
 
 def _numbers(value: Any, ref: Any) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from torch.utils import _pytree as pytree
 
 from engine.optim.base import (
+    LOADED,
     GradientTransformation,
     OptState,
     Params,
@@ -198,3 +199,6 @@ def set_hyperparams(opt_state: OptState, **values: float) -> OptState:
     out = pytree.tree_map(replace, opt_state, is_leaf=is_leaf)
     warm(out)
     return out
+
+
+LOADED.append(warm)  # a loaded checkpoint's values are built before a compiled step meets them
