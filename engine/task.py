@@ -185,9 +185,13 @@ class Task:
         """``engine.train_step(self.loss_fn, self.tx, **kwargs)``; with ``transforms`` (an
         :class:`engine.transforms.Pipeline`), ``transforms.train_step(self.loss_fn, self.tx,
         **kwargs)``; with ``step_fn``, a :class:`~engine.step.CustomStep` of it."""
-        if self.step_fn is not None:  # the user's own: the transforms only seed and place it
+        if self.step_fn is not None:  # the user's own: the transforms seed, place and watch it
             rng_devices = None if transforms is None else transforms.rng_devices
-            return CustomStep(self.step_fn, rng_devices=rng_devices)
+            fn = self.step_fn
+            for t in () if transforms is None else transforms.transforms:
+                if getattr(t, "wraps_any_step", False):  # anomaly detection: around the call
+                    fn = t.wrap_core(fn)
+            return CustomStep(fn, rng_devices=rng_devices)
         assert self.loss_fn is not None and self.tx is not None
         kwargs.setdefault("grad_norm", self.grad_norm)
         if transforms is not None:

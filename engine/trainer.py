@@ -1160,6 +1160,14 @@ def _check_custom_step(trainer: Trainer) -> None:
                 "task's step_fn is its own step: accumulate, clip (optim.clip_by_global_norm in "
                 "its optimizers) or compile inside it, and leave the flag at its default"
             )
+    precision = trainer._precision
+    if type(precision).wrap_grad is not transforms.Transform.wrap_grad:
+        raise ValueError(
+            f"Trainer(precision={trainer.precision!r}) autocasts the forward pass of a train step "
+            "built from loss_fn; the task's step_fn is its own step: enter torch.autocast "
+            "inside it (and scale its float16 loss), or use a true precision such as "
+            "'bf16-true', which casts the state and the batches the step_fn receives"
+        )
 
 
 _STEP_EVENTS = (Event.ON_BEFORE_BACKWARD, Event.ON_AFTER_BACKWARD, Event.ON_BEFORE_OPTIMIZER_STEP)

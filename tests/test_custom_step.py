@@ -150,3 +150,40 @@ def test_a_custom_step_consumes_its_input_and_is_seeded_from_the_state():
         CustomStep(noisy)(a, None)
     assert not a2.consumed
     _ = F  # (torch.nn.functional: the GAN's losses)
+
+
+def test_a_custom_step_refuses_an_autocasting_precision_and_runs_under_anomaly_detection():
+    import warnings
+
+    tx = optim.sgd(0.1)
+
+    def step_fn(state, batch):
+        seen.append(torch.is_anomaly_enabled())
+        params = state.params
+        loss = (eg.ModelView(state.module, params, state.buffers)(batch) ** 2).mean()
+        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
+        _, opt = optim.apply_gradients(tx, grads, state.opt_state, params, state.step)
+        return state.replace(opt_state=opt, step=state.step + 1), {"loss": loss.detach()}
+
+    seen: list[bool] = []
+    task = eg.Task(step_fn=step_fn, tx=tx)
+    data = [torch.ones(4, 2)] * 2
+    with pytest.raises(ValueError, match=r"precision='bf16-mixed'.*torch\.autocast"):
+        eg.Trainer(max_epochs=1, precision="bf16-mixed", barebones=True).fit(
+            task, task.init(torch.nn.Linear(2, 1)), data
+        )
+    state = eg.Trainer(max_epochs=1, precision="bf16-true", barebones=True).fit(
+        task, task.init(torch.nn.Linear(2, 1)), data
+    )
+    assert state.params["weight"].dtype == torch.bfloat16  # a true precision casts for it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eg.Trainer(
+            max_epochs=1,
+            detect_anomaly=True,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            logger=False,
+            enable_checkpointing=False,
+        ).fit(task, task.init(torch.nn.Linear(2, 1)), data)
+    assert seen[-2:] == [True, True] and not torch.is_anomaly_enabled()

@@ -183,6 +183,8 @@ class DetectAnomaly(Transform):
         (True, False)
     """
 
+    wraps_any_step = True  # its wrap_core takes any callable: a custom step_fn too
+
     def __init__(self, active: Callable[[], bool] | None = None) -> None:
         if active is not None and not callable(active):
             raise TypeError(f"DetectAnomaly(active={active!r}): pass a function () -> bool")
