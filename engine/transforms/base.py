@@ -6,21 +6,24 @@ gradients' processing before the optimizer, compilation. Each kind of change has
 :func:`engine.transforms.compose` applies every hook of every transform in one declared order.
 
 =================  ===========================================  ==================================
-hook               what it wraps or changes                     implementations (now / next)
+hook               what it wraps or changes                     implementations
 =================  ===========================================  ==================================
-``prepare``        the state, once before training              placement; true precisions' cast,
-                                                                a loss scale's state; sharding
-``move``           each batch, before the step                  placement (pinned, non_blocking);
-                                                                true precisions' cast
-``wrap_grad``      loss -> gradients (:data:`~engine.step.      autocast and loss scaling; a data-
-                   GradFn`)                                     parallel all-reduce after backward
-``wrap_eval``      the user's eval / predict function           autocast
-``gradients``      a stateless gradient transformation run      clipping
+``prepare``        the state, once before training (and         ``SingleDevice`` (places it),
+                   before a checkpoint is restored into it:     ``TruePrecision`` (casts it),
+                   idempotent)                                  ``MixedPrecision`` (a loss scale);
+                                                                next: sharding
+``move``           each batch, before the step                  ``SingleDevice`` (pinned,
+                                                                non_blocking), ``TruePrecision``
+``wrap_grad``      loss -> gradients (:data:`~engine.step.      ``MixedPrecision`` (autocast, loss
+                   GradFn`)                                     scaling), ``Observe``; next: a
+                                                                data-parallel all-reduce
+``wrap_eval``      the user's eval / predict function           ``MixedPrecision`` (autocast)
+``gradients``      a stateless gradient transformation run      ``Clip``
                    before the optimizer
-``wrap_update``    gradients -> optimizer update (:data:`~      unscale, finite check and skipped
-                   engine.step.UpdateFn`), with the state's     step, the loss scale's growth
-                   ``precision``
-``wrap_core``      each pure core (tensors in, tensors out)     compile, anomaly detection
+``wrap_update``    gradients -> optimizer update (:data:`~      ``MixedPrecision`` (unscale, finite
+                   engine.step.UpdateFn`), with the state's     check, skipped step, the scale's
+                   ``precision``; returns metrics too           growth), ``Observe``
+``wrap_core``      each pure core (tensors in, tensors out)     ``Compile``, ``DetectAnomaly``
 =================  ===========================================  ==================================
 
 ``wrap_update`` exists beside ``gradients`` because a finite check must be able to skip the
