@@ -32,6 +32,7 @@ from engine.listeners import (
     Timer,
 )
 from engine.loggers import CSVLogger, TensorBoardLogger
+from engine.metrics import LogOptions
 from engine.state import ConsumedStateError, TrainState
 from engine.step import (
     EvalStep,
@@ -90,4 +91,5 @@ __all__ = [
     "rng",
     "transforms",
     "train_step",
+    "LogOptions",
 ]

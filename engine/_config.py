@@ -223,7 +223,7 @@ def check_loggers(value: Any) -> None:
             )
 
 
-def check_plugins(value: Any, precision: Any) -> tuple[Any, ...]:
+def check_plugins(value: Any, precision: Any, detect_anomaly: bool = False) -> tuple[Any, ...]:
     """``plugins``: None, or engine's own objects where Lightning takes its plugins, alone or in
     a list: a precision (an :class:`engine.transforms.Transform`, used in the precision slot),
     :class:`engine.transforms.SingleDevice` (placement), :class:`engine.transforms.DetectAnomaly`
@@ -260,6 +260,15 @@ def check_plugins(value: Any, precision: Any) -> tuple[Any, ...]:
                 "pass one"
             )
         seen[kind] = item
+    if "placement" in seen:
+        from engine.transforms.devices import check_device
+
+        check_device(seen["placement"].device, f"Trainer(plugins=[{seen['placement']!r}])")
+    if "anomaly detection" in seen and detect_anomaly:
+        raise ValueError(
+            f"Trainer(detect_anomaly=True, plugins=[{seen['anomaly detection']!r}]): both turn "
+            "on anomaly detection; pass one"
+        )
     if "precision" in seen and precision is not None:
         raise ValueError(
             f"Trainer(precision={precision!r}, plugins=[{seen['precision']!r}]): both set the "

@@ -29,6 +29,7 @@ import stat
 import tempfile
 import time
 import warnings
+import zipfile
 from collections.abc import Mapping
 from concurrent.futures import Future
 from functools import partial
@@ -1250,6 +1251,14 @@ def _lightning_weights(path: Path) -> dict[str, Tensor]:
             f"{path} is a directory: an engine checkpoint? Load it with checkpoint.load, or "
             "checkpoint.load_weights for the weights alone"
         )
+    if zipfile.is_zipfile(path):  # torch.save's format: each entry carries a CRC-32
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+        if damaged is not None:
+            raise CheckpointError(
+                f"{path}: the entry {damaged!r} fails its CRC-32: the file is damaged "
+                "(a bit flipped on disk or in a copy); nothing was loaded from it"
+            )
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:

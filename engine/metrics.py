@@ -184,7 +184,15 @@ class MetricReducer:
             }
         for k, obj in self.objects.items():
             value = obj.compute()
-            out[k] = float(value.float().mean()) if isinstance(value, Tensor) else float(value)
+            one = isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex()
+            if one or isinstance(value, (int, float)):
+                out[k] = float(value)
+            else:
+                shown = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value)
+                raise ValueError(
+                    f"metric {k!r}: its compute() gave {shown}, not one number; log one number "
+                    "per name (e.g. average='macro', or one Metric per class under its own name)"
+                )
             obj.reset()
         self.objects.clear()
         return out

@@ -20,6 +20,7 @@ host.
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
@@ -182,16 +183,22 @@ def _detached(values: Mapping[str, Any]) -> Metrics:
     out: dict[str, Any] = {}
     for k, v in values.items():
         if isinstance(v, Tensor):
-            if v.numel() != 1:
+            if v.numel() != 1 or v.is_complex():
+                what = "complex" if v.is_complex() else f"of shape {tuple(v.shape)}"
                 raise ValueError(
-                    f"metric {k!r} is a tensor of shape {tuple(v.shape)}; a logged metric is one "
-                    f"number: reduce it ({k}.mean()), or return a torchmetrics Metric for a "
+                    f"metric {k!r} is a tensor {what}; a logged metric is one real number: "
+                    f"reduce it ({k}.mean()), or return a torchmetrics Metric for a "
                     "dataset-level value"
                 )
             out[k] = v.detach()
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[k] = torch.as_tensor(v)
+        elif isinstance(v, numbers.Real):  # bools and numpy scalars too, as Lightning logs them
+            out[k] = torch.as_tensor(float(v))
         elif all(callable(getattr(v, m, None)) for m in ("update", "compute", "reset")):
+            if callable(getattr(v, "keys", None)):  # a torchmetrics MetricCollection
+                raise TypeError(
+                    f"metric {k!r} is a collection of metrics; return each under its own name "
+                    f"(`{{**collection}}` in the returned dict), as Lightning's log_dict does"
+                )
             out[k] = v  # a metric object (torchmetrics): computed and reset per epoch
         else:
             raise TypeError(

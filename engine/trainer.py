@@ -426,6 +426,8 @@ class Trainer(FlagViews):
         path = early[1] if early is not None and early[0] is ckpt_path else saver.resolve(ckpt_path)
         if path is None:
             return
+        if self.stage == "fit":
+            self._check_precision(path)
         self._state = saver.load(path, template, stage=self.stage, asked=ckpt_path)
         self.ckpt_path = str(path)  # ModelCheckpoint never deletes the one a run resumed from
         new_reducer = None if self.task is None else self.task.reducer
@@ -440,6 +442,22 @@ class Trainer(FlagViews):
         if early is None:
             self._restore_datamodule(path)
         self._emit(Event.ON_LOAD_CHECKPOINT, checkpoint_path=str(path))
+
+    def _check_precision(self, path: Path) -> None:
+        """A fit continues exactly only under the precision its checkpoint was saved with (the
+        loss scale, the autocast dtype and the parameters' dtype are part of the run)."""
+        config = checkpoint.read_meta(path).get("extra", {}).get("config") or {}
+        saved = config.get("precision")
+        with contextlib.suppress(ValueError):  # else a plugin of the user's own: its repr
+            saved = transforms.canonical_precision(saved)
+        if saved != self.precision:
+            raise checkpoint.CheckpointError(
+                f"fit(ckpt_path={str(path)!r}): the checkpoint was saved under precision "
+                f"{saved!r} and this Trainer runs {self.precision!r}; a resumed fit continues "
+                f"exactly only under the same one: Trainer(precision={saved!r}). To go on under "
+                "another, start a new fit from its weights (checkpoint.load_weights(path, "
+                "model), then task.init(model))"
+            )
 
     def _datamodule_first(self, ckpt_path: Any, datamodule: Any) -> None:
         """Lightning restores a datamodule's state before asking it for loaders: resolve the
@@ -694,12 +712,18 @@ class Trainer(FlagViews):
         if datamodule is not None:  # Lightning's protocol: before its loaders are asked for
             setup_datamodule(datamodule, "fit")
         self._datamodule_first(ckpt_path, datamodule)
+        # the order Lightning asks a datamodule for them: the validation loaders first when a
+        # sanity check will run on them (before training starts), else the training loader
+        val_first = self.num_sanity_val_steps > 0 and self.limit_val_batches and ckpt_path is None
+        if val_first:
+            val_loaders = resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
         train_loaders = resolve_loaders("fit", train_dataloaders, datamodule, "train_dataloader")
         if len(train_loaders) != 1:
             raise ValueError(
                 f"Trainer.fit() takes exactly one training dataloader (got {len(train_loaders)})"
             )
-        val_loaders = resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
+        if not val_first:
+            val_loaders = resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
         self.train_dataloader, self.datamodule = train_loaders[0], datamodule
         if order_outside_the_state(train_loaders[0]):
             warnings.warn(

@@ -119,6 +119,7 @@ def _engine_calls() -> list[str]:
 
 def test_a_lightning_datamodule_gets_lightnings_hooks_at_lightnings_points():
     theirs, ours = _lightning_calls(), _engine_calls()
+    assert ours == theirs  # loaders included: validation's first, for the sanity check
     assert _hooks(ours) == _hooks(theirs)
     assert _hooks(ours) == [
         "prepare_data",

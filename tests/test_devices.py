@@ -302,3 +302,17 @@ def test_gpu_deterministic_sets_the_cublas_workspace(monkeypatch):
         task, task.init(_mlp()), _batches(2)
     )
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+@pytest.mark.parametrize("device", ["cuda:3", "meta", "cpu:1", "mps"])
+def test_a_placement_plugin_the_machine_lacks_is_refused_at_construction(machine, device):
+    machine(cuda=1)
+    with pytest.raises(ValueError, match=rf"plugins=.*no device '{device}'; it has"):
+        eg.Trainer(plugins=[transforms.SingleDevice(device)], **QUIET)
+
+
+def test_devices_zero_as_a_string_is_refused_and_anomaly_detection_is_set_once():
+    with pytest.raises(ValueError, match=r"Trainer\(devices='0'\)"):
+        eg.Trainer(devices="0", **QUIET)
+    with pytest.raises(ValueError, match="both turn on anomaly detection"):
+        eg.Trainer(detect_anomaly=True, plugins=[transforms.DetectAnomaly()], **QUIET)

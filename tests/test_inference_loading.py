@@ -445,3 +445,20 @@ def test_fit_from_a_lightning_ckpt_file_points_to_from_lightning(tmp_path):
     trainer = eg.Trainer(max_epochs=1, default_root_dir=tmp_path, **QUIET)
     with pytest.raises(CheckpointError, match=r"is a file.*checkpoint\.from_lightning"):
         trainer.fit(task, task.init(_net()), _data(2), ckpt_path=path)
+
+
+def test_a_damaged_lightning_ckpt_is_refused(tmp_path):
+    import zipfile
+
+    path, _ = _lightning_checkpoint(tmp_path)
+    with zipfile.ZipFile(path) as archive:
+        entry = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 8)
+    raw = bytearray(path.read_bytes())
+    local = entry.header_offset  # the local header's own name and extra lengths (torch pads)
+    name_len = int.from_bytes(raw[local + 26 : local + 28], "little")
+    extra_len = int.from_bytes(raw[local + 28 : local + 30], "little")
+    at = local + 30 + name_len + extra_len
+    raw[at + entry.file_size // 2] ^= 0x10  # one bit inside the tensor's bytes
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="fails its CRC-32"):
+        checkpoint.from_lightning(path, _net())

@@ -171,3 +171,48 @@ def test_test_metrics_from_the_best_checkpoint_are_logged_after_the_fits_rows(tm
     steps = [step for step, _ in rows.rows]
     assert steps == sorted(steps) and "test/loss" in rows.rows[-1][1]
     assert rows.rows[-1][0] == 16  # at the step the run had reached, as Lightning logs it
+
+
+def test_metric_objects_must_give_one_number_and_collections_are_named():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    per_class = torchmetrics.F1Score(task="multiclass", num_classes=3, average=None)
+
+    def per_class_step(model, batch):
+        per_class.update(model(batch[0]).argmax(-1), batch[1])
+        return {"val_f1": per_class}
+
+    task = eg.Task(
+        lambda m, b: F.cross_entropy(m(b[0]), b[1]), optim.sgd(0.1), eval_fn=per_class_step
+    )
+    with pytest.raises(ValueError, match=r"metric 'val_f1': its compute\(\) gave shape \(3,\)"):
+        eg.Trainer(logger=False, **QUIET).validate(task, task.init(_model()), _data(2))
+    collection = torchmetrics.MetricCollection(
+        {"acc": torchmetrics.Accuracy(task="multiclass", num_classes=3)}
+    )
+    task = eg.Task(
+        lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+        optim.sgd(0.1),
+        eval_fn=lambda m, b: {"scores": collection},
+    )
+    with pytest.raises(TypeError, match=r"metric 'scores' is a collection.*\{\*\*collection\}"):
+        eg.Trainer(logger=False, **QUIET).validate(task, task.init(_model()), _data(2))
+
+
+def test_numbers_lightning_logs_are_logged_and_complex_ones_refused():
+    import numpy as np
+
+    task = eg.Task(
+        lambda m, b: (F.cross_entropy(m(b[0]), b[1]), {"flag": True, "np": np.float32(2.0)}),
+        optim.sgd(0.1),
+    )
+    trainer = eg.Trainer(max_epochs=1, logger=False, log_every_n_steps=1, **QUIET)
+    trainer.fit(task, task.init(_model()), _data(1))
+    assert trainer.callback_metrics["train_flag" if False else "train/flag"] == 1.0
+    assert trainer.callback_metrics["train/np"] == 2.0
+    assert eg.LogOptions is LogOptions  # exported where the docs name it
+    bad = eg.Task(
+        lambda m, b: (F.cross_entropy(m(b[0]), b[1]), {"z": torch.tensor(1 + 2j)}),
+        optim.sgd(0.1),
+    )
+    with pytest.raises(ValueError, match="metric 'z' is a tensor complex"):
+        eg.Trainer(max_epochs=1, barebones=True).fit(bad, bad.init(_model()), _data(1))

@@ -368,14 +368,18 @@ def test_a_checkpoint_resumed_under_another_precision_is_refused_naming_it(tmp_p
     saver = eg.Trainer(max_epochs=1, precision="bf16-true", default_root_dir=tmp_path, **QUIET)
     saver.fit(task, task.init(_model()), _data(2))
     saver.save_checkpoint(tmp_path / "bf16")
-    with pytest.raises(CheckpointError, match=r"bfloat16 in the checkpoint.*another precision"):
+    with pytest.raises(
+        CheckpointError, match=r"precision 'bf16-true' and this Trainer runs '32-true'"
+    ):
         eg.Trainer(max_epochs=2, default_root_dir=tmp_path, **QUIET).fit(
             task, task.init(_model()), _data(2), ckpt_path=tmp_path / "bf16"
         )
     plain = eg.Trainer(max_epochs=1, default_root_dir=tmp_path, **QUIET)
     plain.fit(task, task.init(_model()), _data(2))
     plain.save_checkpoint(tmp_path / "f32")
-    with pytest.raises(CheckpointError, match=r"precision state.*'16-mixed'"):
+    with pytest.raises(
+        CheckpointError, match=r"precision '32-true' and this Trainer runs '16-mixed'"
+    ):
         eg.Trainer(max_epochs=2, precision="16-mixed", default_root_dir=tmp_path, **QUIET).fit(
             task, task.init(_model()), _data(2), ckpt_path=tmp_path / "f32"
         )
@@ -540,3 +544,30 @@ def test_sigkill_mid_fit_under_16_mixed_resumes_from_last_bitwise(tmp_path, kill
     ).fit(task, task.init(_model()), data, ckpt_path="last")  # none landed: from the start
     assert resumed.fingerprint() == full.fingerprint()
     assert torch.equal(resumed.precision["scale"], full.precision["scale"])
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [
+        ("16-mixed", "bf16-mixed"),
+        ("16-mixed", "32-true"),
+        ("bf16-mixed", "32-true"),
+        ("32-true", "bf16-mixed"),
+        ("64-true", "32-true"),
+    ],
+)
+def test_every_change_of_precision_on_resume_is_refused_by_name(tmp_path, saved, resumed):
+    task = eg.Task(_loss, optim.sgd(0.1), eval_fn=_loss)
+    first = eg.Trainer(max_epochs=1, precision=saved, default_root_dir=tmp_path, **QUIET)
+    state = first.fit(task, task.init(_model()), _data(2))
+    first.save_checkpoint(tmp_path / "c")
+    with pytest.raises(CheckpointError, match=rf"'{saved}' and this Trainer runs '{resumed}'"):
+        eg.Trainer(max_epochs=2, precision=resumed, default_root_dir=tmp_path, **QUIET).fit(
+            task, task.init(_model()), _data(2), ckpt_path=tmp_path / "c"
+        )
+    if saved.endswith("mixed") and resumed.endswith(("mixed", "32-true")):  # same dtypes
+        evaluator = eg.Trainer(precision=resumed, default_root_dir=tmp_path, **QUIET)
+        (metrics,) = evaluator.validate(
+            task, state, _data(2), ckpt_path=tmp_path / "c", verbose=False
+        )
+        assert metrics["val/loss"] > 0  # evaluating its weights under another one is fine

@@ -97,7 +97,7 @@ def resolve(
     # -- flags with a fixed set of values (placement and scale-out: single-process CPU until
     # their own issues land; _config.CHOICES)
     cfg.check_choices(**{name: flags[name] for name in cfg.CHOICES})
-    plugged = cfg.check_plugins(plugins, precision)
+    plugged = cfg.check_plugins(plugins, precision, detect_anomaly)
     precision_name = _precision(precision, plugged)
     device = resolve_device(accelerator, devices)
     cfg.check_compile(compile)

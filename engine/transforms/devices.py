@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ACCELERATORS", "available_accelerators", "resolve_device"]
+__all__ = ["ACCELERATORS", "available_accelerators", "check_device", "resolve_device"]
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 # Lightning names these; engine runs none of them
@@ -57,7 +57,7 @@ def _indices(devices: Any) -> list[int] | int | None:
             parts = [p.strip() for p in text.split(",") if p.strip()]
             if parts and all(p.isdigit() for p in parts):
                 return [int(p) for p in parts]
-        elif text.isdigit():
+        elif text.isdigit() and int(text) >= 1:  # "0" is no device, as Lightning reads it
             return int(text)
     elif isinstance(devices, bool):
         pass
@@ -154,3 +154,24 @@ def resolve_device(accelerator: Any = "auto", devices: Any = "auto") -> torch.de
             f"{found}"
         )
     return torch.device(name)
+
+
+def check_device(device: torch.device, what: str) -> torch.device:
+    """``device`` if this machine has it (a placement given directly, ``plugins=[SingleDevice(
+    ...)]``), else a ``ValueError`` naming ``what`` and what the machine has."""
+    found = ", ".join(available_accelerators())
+    index = device.index
+    if device.type == "cuda":
+        ok = _cuda_count() > (index or 0)
+    elif device.type == "mps":
+        ok = _mps() and not index
+    elif device.type == "cpu":
+        ok = not index
+    else:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{what}: this machine has no device {str(device)!r}; it has: {found} (engine runs "
+            "on the CPU, CUDA GPUs and MPS)"
+        )
+    return device
