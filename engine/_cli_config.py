@@ -9,12 +9,15 @@ or of a function annotated to return one. See docs/cli.md.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from typing import Any, Protocol, Union
 
 import torch
 from torch import nn
+
+from engine.errors import CheckpointError
 
 __all__ = ["STAGES", "build_parser", "run"]
 
@@ -183,7 +186,18 @@ def run(stage: str, argv: list[str]) -> int:
             f"method, which engine {stage} reads its batches from; give data.class_path a "
             "class that has one"
         )
+    if ckpt_path not in (None, "last", "best") and not os.path.exists(ckpt_path):
+        return _error(f"ckpt_path: {ckpt_path!r} does not exist")
     state = task.init(model, seed=seed)
+    try:
+        return _run_stage(stage, trainer, task, state, data, ckpt_path, init)
+    except CheckpointError as e:  # a damaged or mismatched checkpoint: the input, not a bug
+        return _error(f"ckpt_path: {e}")
+
+
+def _run_stage(
+    stage: str, trainer: Any, task: Any, state: Any, data: Any, ckpt_path: Any, init: Any
+) -> int:
     if stage == "fit":
         state = trainer.fit(task, state, datamodule=data, ckpt_path=ckpt_path)
         _report_fit(trainer, state)

@@ -371,3 +371,10 @@ def test_replay_with_bad_steps_exits_2(project, run_dir, args, words):
 def test_replay_without_trust_code_exits_2(project, run_dir):
     done = engine("replay", run_dir, project=project)
     _failed_cleanly(done, "--trust-code")
+
+
+def test_a_missing_checkpoint_exits_2_with_one_error_line(project, tmp_path):
+    done = engine(
+        "fit", "--config", "cfg.yaml", f"--ckpt_path={tmp_path / 'nope'}", project=project
+    )
+    _failed_cleanly(done, "ckpt_path", "does not exist")
