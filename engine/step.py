@@ -20,7 +20,9 @@ host.
 
 from __future__ import annotations
 
+import itertools
 import numbers
+import types
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
@@ -32,6 +34,7 @@ from torch.func import functional_call
 
 from engine import rng
 from engine.optim.base import GradientTransformation, apply_updates
+from engine.optim.freezing import frozen_reader
 from engine.state import TrainState
 
 __all__ = [
@@ -224,6 +227,9 @@ def _cuda_devices(state: TrainState) -> tuple[int | str, ...]:
     return ()
 
 
+_COMPILED_IDS = itertools.count()
+
+
 class _Compiled:
     """Compiles ``core(module, *args)`` once per module, with the module closed over.
 
@@ -252,6 +258,11 @@ class _Compiled:
         def bound(*args: Any) -> Any:
             return core(target, *args)
 
+        # Dynamo keeps its compiled graphs, and counts recompilations against a limit of 8, per
+        # code object: with one code object for every step built, the ninth compiled step of a
+        # process would fail. Each step gets a code object of its own.
+        code = bound.__code__.replace(co_name=f"compiled_step_{next(_COMPILED_IDS)}")
+        bound = types.FunctionType(code, bound.__globals__, code.co_name, None, bound.__closure__)
         options = dict(self.options)
         if self.tuned:
             # Per-call overhead dominates small steps. Inductor re-checks every input's size and
@@ -317,7 +328,21 @@ def grad_core(
             "reduce it, e.g. with .mean()"
         )
     objective = loss / accumulate if accumulate > 1 else loss
-    return torch.autograd.grad(objective, params, materialize_grads=True), loss, aux
+    if not isinstance(params, PartlyFrozen):
+        return torch.autograd.grad(objective, params, materialize_grads=True), loss, aux
+    # frozen parameters (optim.freezable) are left out of backward: no weight gradient is
+    # computed for them, and they count as zeros (for clipping, as Lightning's have no .grad)
+    wanted = [p for p in params if p.requires_grad]
+    computed = iter(torch.autograd.grad(objective, wanted, materialize_grads=True))
+    grads = tuple(next(computed) if p.requires_grad else torch.zeros_like(p) for p in params)
+    return grads, loss, aux
+
+
+class PartlyFrozen(list):
+    """The parameters a step differentiates, some frozen: those are detached (``requires_grad``
+    false), and :func:`grad_core` gives them zero gradients without computing any."""
+
+    __slots__ = ()
 
 
 def total_norm(grads: Mapping[str, Tensor]) -> Tensor:
@@ -398,19 +423,37 @@ class TrainStep:
         self._update = wrap(self._update_core)
         self._accumulate = wrap(self._accumulate_core) if accumulate > 1 else self._accumulate_core
 
+    _reader: Any = ()  # () until the first step looks for a frozen set in the optimizer state
+
+    def _frozen(self, opt_state: Any) -> tuple[str, ...] | None:
+        """The parameters an ``optim.freezable`` optimizer freezes now, sorted (``None``
+        without one: a constant, so a compiled core is not re-specialised)."""
+        if self._reader == ():
+            self._reader = frozen_reader(opt_state)
+        if self._reader is None:
+            return None
+        return tuple(sorted(self._reader(opt_state))) or None
+
     # The two pure cores (tensors in, tensors out, buffers donated). Kept free of Python
     # branches on values so torch.compile captures each as one graph.
 
-    def _grads(self, module, params, buffers, precision, batch):
+    def _grads(self, module, params, buffers, precision, batch, frozen):
         def forward():
             return _split(self.loss_fn(_view(module, params, buffers), batch), "loss_fn")
 
-        params_list = list(params.values())
+        if frozen:
+            params_list: list[Tensor] = PartlyFrozen(
+                p.detach() if k in frozen else p for k, p in params.items()
+            )
+        else:
+            params_list = list(params.values())
         grads, loss, aux = self._grad_fn(forward, params_list, self.accumulate, precision)
         return grads, _metrics(loss, aux)
 
-    def _update_core(self, module, params, buffers, opt_state, precision, grad_accum, step, batch):
-        grads, metrics = self._grads(module, params, buffers, precision, batch)
+    def _update_core(
+        self, module, params, buffers, opt_state, precision, grad_accum, step, batch, frozen
+    ):
+        grads, metrics = self._grads(module, params, buffers, precision, batch, frozen)
         with torch.no_grad():
             if grad_accum is not None:
                 torch._foreach_add_(grads, list(grad_accum.values()))
@@ -424,8 +467,8 @@ class TrainStep:
             metrics.update(reported)
         return opt_state, precision, metrics
 
-    def _accumulate_core(self, module, params, buffers, precision, grad_accum, batch):
-        grads, metrics = self._grads(module, params, buffers, precision, batch)
+    def _accumulate_core(self, module, params, buffers, precision, grad_accum, batch, frozen):
+        grads, metrics = self._grads(module, params, buffers, precision, batch, frozen)
         if grad_accum is None:
             return dict(zip(params, grads, strict=True)), metrics
         with torch.no_grad():
@@ -454,6 +497,7 @@ class TrainStep:
         _set_mode(state.module, True)
         micro = state.micro_step
         apply = flush or micro + 1 >= self.accumulate
+        frozen = self._frozen(state.opt_state)
         with rng.seeded(rng.derive_seed(state.seed, state.step, micro), self._rng_devices(state)):
             if apply:
                 opt_state, precision, metrics = self._update(
@@ -465,6 +509,7 @@ class TrainStep:
                     state.grad_accum,
                     state.step,
                     batch,
+                    frozen,
                 )
             else:
                 grad_accum, metrics = self._accumulate(
@@ -474,6 +519,7 @@ class TrainStep:
                     state.precision,
                     state.grad_accum,
                     batch,
+                    frozen,
                 )
         if apply:
             new = state.replace(

@@ -388,3 +388,36 @@ def test_bad_arguments_are_refused_naming_the_value():
     for t, listener, error, match in cases:
         with pytest.raises(error, match=match):
             _trainer(max_epochs=2, callbacks=[listener]).fit(t, t.init(_net()), _data())
+
+
+def test_frozen_parameters_are_left_out_of_clipping_as_lightnings_have_no_grad():
+    """Lightning clips the gradients that exist: a frozen backbone has none. Here frozen
+    parameters get zero gradients without a backward computation for them, so
+    gradient_clip_val's global norm is the trainable parameters' alone."""
+    g = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(5)
+    ]
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    model = net()
+    model[0].requires_grad_(False)  # the backbone, frozen for the whole run
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.grad is not None], 0.05, foreach=True
+        )
+        opt.step()
+
+    tx = optim.freezable(optim.sgd(0.5), frozen=["0"])
+    task = eg.Task(lambda m, b: F.cross_entropy(m(b[0]), b[1]), tx)
+    state = eg.Trainer(max_epochs=1, gradient_clip_val=0.05, barebones=True).fit(
+        task, task.init(net()), data
+    )
+    for name, p in model.named_parameters():
+        assert torch.equal(state.params[name], p.detach()), name

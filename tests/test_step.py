@@ -358,3 +358,14 @@ def test_grad_norm_metric_is_the_total_norm_before_clipping():
     step = eg.train_step(_ce, tx, grad_norm=True, clip=optim.clip_by_global_norm(1e-3))
     _, metrics = step(eg.TrainState.create(_mlp(), tx), (x, y))
     torch.testing.assert_close(metrics["grad_norm"], expected)
+
+
+@pytest.mark.slow
+def test_a_process_compiles_many_steps_without_hitting_dynamos_recompile_limit():
+    tx = optim.sgd(0.1)
+    batch = (torch.randn(4, 3), torch.randn(4, 1))
+    for i in range(12):  # Dynamo allows 8 recompilations per code object
+        state = eg.TrainState.create(torch.nn.Linear(3, 1), tx, seed=i)
+        step = eg.train_step(lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), tx, compile=True)
+        state, metrics = step(state, batch)
+        assert state.step == 1 and torch.isfinite(metrics["loss"])

@@ -426,3 +426,26 @@ def set_group_hyperparams(opt_state: OptState, group: Any, **values: float) -> O
         return x
 
     return pytree.tree_map(change, opt_state, is_leaf=is_leaf)
+
+
+def frozen_reader(opt_state: OptState) -> Callable[[OptState], frozenset[str]] | None:
+    """For optimizer states shaped like ``opt_state``: a function returning the names frozen in
+    one (those any :class:`FreezableState` in it freezes), or ``None`` when it holds none. The
+    search walks the state once; the function follows the paths found (a train step asks it
+    every step, to leave frozen parameters out of backward)."""
+    is_leaf = lambda x: isinstance(x, FreezableState)  # noqa: E731
+    leaves, _ = pytree.tree_flatten_with_path(opt_state, is_leaf=is_leaf)
+    paths = [path for path, leaf in leaves if is_leaf(leaf)]
+    if not paths:
+        return None
+
+    def frozen(state: OptState) -> frozenset[str]:
+        names: set[str] = set()
+        for path in paths:
+            found = state
+            for key in path:
+                found = key.get(found)
+            names.update(k for k, v in found.frozen.items() if v)
+        return frozenset(names)
+
+    return frozen
