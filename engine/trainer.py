@@ -426,7 +426,7 @@ class Trainer(FlagViews):
         path = early[1] if early is not None and early[0] is ckpt_path else saver.resolve(ckpt_path)
         if path is None:
             return
-        if self.stage == "fit":
+        if self.stage == "fit" and (path / checkpoint.META).is_file():  # else load says why
             self._check_precision(path)
         self._state = saver.load(path, template, stage=self.stage, asked=ckpt_path)
         self.ckpt_path = str(path)  # ModelCheckpoint never deletes the one a run resumed from
