@@ -61,7 +61,8 @@ class LogOptions:
 
     Args:
         on_step: log each logging step's value (training; default ``True``).
-        on_epoch: log the epoch's reduction (default ``True`` in training: ``<name>_epoch``;
+        on_epoch: log the epoch's reduction (default ``True`` in training: ``<name>_epoch``,
+            or the name alone with ``on_step=False``;
             evaluation always reduces over the epoch). With both set explicitly the step value
             is ``<name>_step`` and the epoch's ``<name>_epoch``, as Lightning names them.
         prog_bar: show it in the progress bar.
@@ -217,12 +218,17 @@ class MetricReducer:
 
     def epoch_logged(self) -> dict[str, float]:
         """The training epoch's reductions (:meth:`compute`), named for the loggers:
-        ``<name>_epoch``; those with ``on_epoch=False`` are left out."""
+        ``<name>_epoch`` (the name alone for ``on_step=False``, as Lightning names a metric
+        logged per epoch only); those with ``on_epoch=False`` are left out."""
         out = {}
         for k, v in self.compute().items():
             options = self.options.get(k)
-            if options is None or options.on_epoch is not False:
-                out[f"{metric_name('train', k)}_epoch"] = v
+            if options is not None and options.on_epoch is False:
+                continue
+            name = metric_name("train", k)
+            # epoch values only (on_step=False): the name as written, as Lightning logs it
+            only_epoch = options is not None and options.on_step is False
+            out[name if only_epoch else f"{name}_epoch"] = v
         return out
 
     def _step_name(self, key: str) -> str | None:

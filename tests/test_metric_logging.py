@@ -102,7 +102,7 @@ def test_log_options_choose_step_and_epoch_rows_and_the_reduction():
     assert all("train/both_step" in r and "train/both" not in r for r in step_rows)
     (epoch_row,) = [r for _, r in rows.rows if "train/loss_epoch" in r]
     assert epoch_row["train/peak_epoch"] == pytest.approx(2 * max(seen), rel=1e-6)  # "max"
-    assert epoch_row["train/only_epoch_epoch"] == pytest.approx(sum(seen) / 4, rel=1e-6)
+    assert epoch_row["train/only_epoch"] == pytest.approx(sum(seen) / 4, rel=1e-6)
     assert "train/both_step" in trainer.progress_bar_metrics  # prog_bar=True
 
 
@@ -216,3 +216,78 @@ def test_numbers_lightning_logs_are_logged_and_complex_ones_refused():
     )
     with pytest.raises(ValueError, match="metric 'z' is a tensor complex"):
         eg.Trainer(max_epochs=1, barebones=True).fit(bad, bad.init(_model()), _data(1))
+
+
+def test_the_names_a_lightning_module_logs_reach_engines_loggers_unchanged(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    import csv
+    import warnings
+
+    from engine.loggers import CSVLogger
+
+    data = _data(4)
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch, i):
+            loss = F.cross_entropy(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            self.log(
+                "train_acc",
+                (self.net(batch[0]).argmax(-1) == batch[1]).float().mean(),
+                on_step=False,
+                on_epoch=True,
+                prog_bar=True,
+            )
+            return loss
+
+        def validation_step(self, batch, i):
+            self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(
+            max_epochs=2,
+            accelerator="cpu",
+            log_every_n_steps=1,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+            logger=pl.loggers.CSVLogger(tmp_path / "pl"),
+        ).fit(Module(), loader, loader)
+    (theirs,) = (tmp_path / "pl").rglob("metrics.csv")
+
+    def training_step(model, batch):
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        return loss, {
+            "train_loss": loss,
+            "train_acc": (model(batch[0]).argmax(-1) == batch[1]).float().mean(),
+        }
+
+    task = eg.Task(
+        training_step,
+        optim.sgd(0.1),
+        eval_fn=lambda m, b: {"val_loss": F.cross_entropy(m(b[0]), b[1])},
+        log_options={"train_acc": LogOptions(on_step=False, on_epoch=True, prog_bar=True)},
+    )
+    logger = CSVLogger(tmp_path / "eg")
+    eg.Trainer(max_epochs=2, log_every_n_steps=1, logger=logger, **QUIET).fit(
+        task, task.init(_model()), data, data
+    )
+
+    def columns(path):
+        with open(path) as f:
+            return set(next(csv.reader(f)))
+
+    lightning = columns(theirs) - {"step"}  # epoch, train_loss, train_acc, val_loss
+    ours = columns(logger.metrics_file)
+    assert {"epoch", "train_loss", "val_loss"} <= lightning
+    assert lightning <= ours, (lightning, ours)  # engine adds train/loss and its epoch mean
