@@ -107,7 +107,9 @@ class ReplayReport:
         compared: journaled values compared (losses, learning rates, fingerprints).
         divergence: the first difference, or ``None``. Its ``step`` is where the first differing
             value was seen.
-        first_nonfinite_step: the first re-executed step whose loss was NaN or infinite.
+        first_nonfinite_step: the first re-executed step with a NaN or infinite loss, in any of
+            its micro-batches.
+        first_nonfinite_loss: that loss.
         losses: each re-executed step's loss.
         anomaly: with ``detect_anomaly``, the error anomaly detection raised (and the forward
             traceback it printed), else ``None``.
@@ -134,6 +136,7 @@ class ReplayReport:
     compared: int
     divergence: Divergence | None = None
     first_nonfinite_step: int | None = None
+    first_nonfinite_loss: float | None = None
     losses: Mapping[int, float] = attrs.field(factory=dict)
     anomaly: str | None = None
     anomaly_step: int | None = None
@@ -166,7 +169,9 @@ class ReplayReport:
         else:
             out = f"{head}: bitwise identical ({self.compared} journaled values compared)"
         if self.first_nonfinite_step is not None:
-            loss = self.losses[self.first_nonfinite_step]
+            loss = self.first_nonfinite_loss
+            if loss is None:
+                loss = self.losses.get(self.first_nonfinite_step)
             out += f"\nfirst non-finite loss: step {self.first_nonfinite_step} (loss {loss})"
         return out
 
@@ -231,6 +236,7 @@ class _Checker(Listener):
         self.current = 0  # the step being executed
         self.losses: dict[int, float] = {}
         self.first_nonfinite: int | None = None
+        self.first_nonfinite_loss: float | None = None
         # for each journaled quantity, the last step at which it matched (a state that matches
         # vouches for all: the replay starts from one)
         self.matched = dict.fromkeys(("loss", "lr", "fingerprint"), int(start_line["step"]))
@@ -257,13 +263,18 @@ class _Checker(Listener):
         assert state is not None
         loss = rec.outputs.get("loss") if isinstance(rec.outputs, Mapping) else None
         compared: set[str] = set()
+        if loss is not None and self.first_nonfinite is None and state.micro_step:
+            # a micro-batch inside an accumulation window: its step is the one it will end
+            value = float(loss)
+            if not math.isfinite(value):
+                self.first_nonfinite, self.first_nonfinite_loss = state.step + 1, value
         if state.micro_step == 0:
             self.steps += 1
             if loss is not None:
                 value = float(loss)
                 self.losses[state.step] = value
                 if self.first_nonfinite is None and not math.isfinite(value):
-                    self.first_nonfinite = state.step
+                    self.first_nonfinite, self.first_nonfinite_loss = state.step, value
                 for journaled in self.step_losses.get(state.step, ()):
                     self.compared += 1
                     if not _same(journaled, value):
@@ -430,6 +441,7 @@ def replay(
         steps=checker.steps,
         compared=checker.compared,
         first_nonfinite_step=checker.first_nonfinite,
+        first_nonfinite_loss=checker.first_nonfinite_loss,
         losses=dict(checker.losses),
         **outcome,
     )

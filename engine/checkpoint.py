@@ -330,6 +330,7 @@ def save(
         ...     back.fingerprint() == state.fingerprint()
         True
     """
+    _is_state(state, path, "save")
     state.check_alive("checkpoint.save()")
     _replaceable(Path(path))
     tensors, scalars = _flatten(state, weights_only)
@@ -369,6 +370,15 @@ def _snapshot_view(state: TrainState, snapshot: _Snapshot) -> TrainState:
     )
 
 
+def _is_state(state: Any, path: Any, fn: str) -> None:
+    if not isinstance(state, TrainState):
+        swapped = " (the arguments swapped?)" if isinstance(path, TrainState) else ""
+        raise TypeError(
+            f"checkpoint.{fn}(state, path) takes the TrainState first (got a "
+            f"{type(state).__name__}){swapped}; checkpoint.load(path, template) is the other way"
+        )
+
+
 def save_async(
     state: TrainState,
     path: str | os.PathLike[str],
@@ -400,6 +410,7 @@ def save_async(
         ...     checkpoint.read_meta(future.result())["step"]
         0
     """
+    _is_state(state, path, "save_async")
     state.check_alive("checkpoint.save_async()")
     tensors, scalars = _flatten(state, weights_only)
     try:

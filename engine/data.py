@@ -123,9 +123,14 @@ def datamodule_loaders(datamodule: Any, method: str, stage: str) -> Any:
 _SETUP_STAGE = {"fit": "fit", "validate": "validate", "test": "test", "predict": "predict"}
 
 
-def setup_datamodule(datamodule: Any, stage: str) -> None:
+def setup_datamodule(datamodule: Any, stage: str, trainer: Any = None) -> None:
     """Lightning's DataModule protocol at the start of a stage: ``prepare_data()`` (download,
-    tokenize: once per call, in this process), then ``setup(stage)``."""
+    tokenize: once per call, in this process), then ``setup(stage)``. A
+    ``LightningDataModule`` (an object with a ``trainer`` attribute still ``None``) gets
+    ``trainer``, as Lightning sets it, for code that reads the flags (``self.trainer.max_epochs``).
+    """
+    if trainer is not None and getattr(datamodule, "trainer", False) is None:
+        datamodule.trainer = trainer
     for name, args in (("prepare_data", ()), ("setup", (_SETUP_STAGE[stage],))):
         hook = getattr(datamodule, name, None)
         if callable(hook):

@@ -301,6 +301,13 @@ class Trainer(FlagViews):
         """How many devices the run uses: one (multi-device strategies are still to come)."""
         return 1
 
+    # one process until DDP / FSDP land: Lightning's rank attributes, for code that reads them
+    world_size = 1
+    global_rank = 0
+    local_rank = 0
+    node_rank = 0
+    is_global_zero = True
+
     @property
     def device_ids(self) -> list[int]:
         """The indices of the devices the run uses (Lightning's ``trainer.device_ids``)."""
@@ -710,7 +717,7 @@ class Trainer(FlagViews):
         if datamodule is None and is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
         if datamodule is not None:  # Lightning's protocol: before its loaders are asked for
-            setup_datamodule(datamodule, "fit")
+            setup_datamodule(datamodule, "fit", self)
         self._datamodule_first(ckpt_path, datamodule)
         # the order Lightning asks a datamodule for them: the validation loaders first when a
         # sanity check will run on them (before training starts), else the training loader
@@ -998,7 +1005,7 @@ class Trainer(FlagViews):
         if datamodule is None and is_datamodule(dataloaders):
             datamodule, dataloaders = dataloaders, None
         if datamodule is not None:
-            setup_datamodule(datamodule, stage)
+            setup_datamodule(datamodule, stage, self)
         self.datamodule = datamodule
         self._datamodule_first(ckpt_path, datamodule)
         loaders = resolve_loaders(stage, dataloaders, datamodule, method)
@@ -1037,7 +1044,7 @@ class Trainer(FlagViews):
         if datamodule is None and is_datamodule(dataloaders):
             datamodule, dataloaders = dataloaders, None
         if datamodule is not None:
-            setup_datamodule(datamodule, "predict")
+            setup_datamodule(datamodule, "predict", self)
         self.datamodule = datamodule
         self._datamodule_first(ckpt_path, datamodule)
         loaders = resolve_loaders("predict", dataloaders, datamodule, "predict_dataloader")

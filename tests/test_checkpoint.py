@@ -619,3 +619,10 @@ def test_a_weights_only_checkpoint_holds_the_model_and_says_so(tmp_path):
         check=True,
     ).stdout
     assert "weights only" in out and "all verify" in out
+
+
+def test_save_with_its_arguments_swapped_says_so(tmp_path):
+    state = _trained(calls=1)
+    for save in (checkpoint.save, checkpoint.save_async):
+        with pytest.raises(TypeError, match=r"TrainState first.*arguments swapped"):
+            save(tmp_path / "c", state)

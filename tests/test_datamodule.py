@@ -209,3 +209,18 @@ def test_a_datamodules_state_dict_travels_in_checkpoints_and_is_restored(tmp_pat
         task, task.init(nn.Linear(4, 3)), datamodule=resumed, ckpt_path=tmp_path / "c"
     )
     assert resumed.epochs_served == 102  # restored (1 + 100), then asked for its loader
+
+
+def test_a_lightning_datamodule_reads_the_trainer_as_it_does_under_lightning():
+    seen = []
+
+    class Reads(Digits):
+        def setup(self, stage):
+            seen.append(
+                (self.trainer.max_epochs, self.trainer.world_size, self.trainer.global_rank)
+            )
+            super().setup(stage)
+
+    task = eg.Task(lambda m, b: F.cross_entropy(m(b[0]), b[1]), optim.sgd(0.1))
+    eg.Trainer(max_epochs=2, **QUIET).fit(task, task.init(nn.Linear(4, 3)), datamodule=Reads())
+    assert seen == [(2, 1, 0)]

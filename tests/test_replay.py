@@ -5,6 +5,7 @@ and pickled code loads only when trusted."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -447,3 +448,24 @@ def test_a_differing_fingerprint_alone_is_placed_after_the_last_matching_one(tmp
     assert report.divergence is not None and set(report.divergence.values) == {"fingerprint"}
     assert report.divergence.step == 40 and report.diverged_after == 20
     assert report.first_divergent_step is None and "(20, 40]" in str(report)
+
+
+def test_replay_names_the_step_of_a_non_finite_micro_batch_inside_a_window(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(6)]
+    data[4] = (torch.full((4, 3), float("inf")), data[4][1])  # micro-batch 1 of step 3's window
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+    trainer = eg.Trainer(
+        max_epochs=1,
+        precision="16-mixed",
+        accumulate_grad_batches=2,
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(task, task.init(torch.nn.Linear(3, 1)), data)
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert report.identical and report.first_nonfinite_step == 3, str(report)
+    assert not math.isfinite(report.first_nonfinite_loss)
