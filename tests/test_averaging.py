@@ -441,3 +441,31 @@ def test_swa_refuses_at_fit_start_what_it_cannot_anneal(tx, flags, match):
     trainer = _quiet(**{"max_epochs": 2, **flags}, callbacks=[swa])
     with pytest.raises(ValueError, match=match):
         trainer.fit(task, task.init(nn.Linear(3, 1)), _batches(2))
+
+
+@pytest.mark.parametrize(("every", "start"), [(2, 0), (3, 2), (1, 5)])
+def test_ema_every_n_steps_from_a_step_matches_averaged_model_updated_then(every, start):
+    decay = 0.8
+    data = _batches(9)
+    theirs = _net()
+    averaged = AveragedModel(theirs, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    opt = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9, foreach=True)
+    for n, (x, y) in enumerate(data):  # n: the steps taken before this one (global_step - 1)
+        opt.zero_grad()
+        F.mse_loss(theirs(x), y).backward()
+        opt.step()
+        if n >= start and n % every == 0:  # Lightning's WeightAveraging.should_update
+            averaged.update_parameters(theirs)
+
+    tx = ema_weights(
+        optim.sgd(0.05, momentum=0.9), decay=decay, every_n_steps=every, start_step=start
+    )
+    state = eg.TrainState.create(_net(), tx, seed=0)
+    step = eg.train_step(_mse, tx)
+    for batch in data:
+        state, _ = step(state, batch)
+    ours = ema_params(state.opt_state)
+    for name, p in averaged.module.named_parameters():
+        assert torch.equal(ours[name], p), name
+    with pytest.raises(ValueError, match="every_n_steps=0"):
+        ema_weights(optim.sgd(0.1), every_n_steps=0)

@@ -42,7 +42,13 @@ def _check_decay(decay: Any) -> float:
     return float(decay)
 
 
-def ema_weights(tx: GradientTransformation, decay: float = 0.999) -> GradientTransformation:
+def ema_weights(
+    tx: GradientTransformation,
+    decay: float = 0.999,
+    *,
+    every_n_steps: int = 1,
+    start_step: int = 0,
+) -> GradientTransformation:
     """``tx`` that also keeps an exponential moving average of the parameters in its state.
 
     After ``tx`` writes the new parameters, the average moves toward them with
@@ -53,6 +59,10 @@ def ema_weights(tx: GradientTransformation, decay: float = 0.999) -> GradientTra
     Args:
         tx: the optimizer, e.g. ``optim.adamw(1e-3)``.
         decay: the weight the average keeps at each step, in ``[0, 1]``.
+        every_n_steps, start_step: update the average only after optimizer steps ``n`` (counted
+            from 0, before the step) with ``n >= start_step`` and ``n % every_n_steps == 0``
+            (Lightning's ``EMAWeightAveraging(update_every_n_steps=,
+            update_starting_at_step=)``); the first update copies.
 
     Raises:
         TypeError: if ``tx`` is not a :class:`~engine.optim.GradientTransformation`.
@@ -76,6 +86,12 @@ def ema_weights(tx: GradientTransformation, decay: float = 0.999) -> GradientTra
             "optim.ema_weights(optim.adamw(1e-3), decay=0.999)"
         )
     decay = _check_decay(decay)
+    for name, value, least in (("every_n_steps", every_n_steps, 1), ("start_step", start_step, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"ema_weights({name}={value!r}): pass an int >= {least}")
+
+    def due(step: int) -> bool:
+        return step >= start_step and step % every_n_steps == 0
 
     def init(params: Params) -> EmaState:
         first = next(iter(params.values()), None)
@@ -106,8 +122,11 @@ def ema_weights(tx: GradientTransformation, decay: float = 0.999) -> GradientTra
         updates, inner = tx.update(updates, state.inner, params, step)
         with torch.no_grad():  # the parameters the caller will write: p + u, as apply_updates
             keys = list(params)
-            new = torch._foreach_add([params[k].detach() for k in keys], [updates[k] for k in keys])
-            average(state, dict(zip(keys, new, strict=True)))
+            if due(step):
+                new = torch._foreach_add(
+                    [params[k].detach() for k in keys], [updates[k] for k in keys]
+                )
+                average(state, dict(zip(keys, new, strict=True)))
         return updates, EmaState(inner, state.ema, state.step)
 
     def apply(grads: Updates, state: EmaState, params: Params, step: int) -> EmaState:
@@ -116,8 +135,9 @@ def ema_weights(tx: GradientTransformation, decay: float = 0.999) -> GradientTra
         else:
             updates, inner = tx.update(grads, state.inner, params, step)
             apply_updates(params, updates)
-        with torch.no_grad():
-            average(state, params)
+        if due(step):
+            with torch.no_grad():
+                average(state, params)
         return EmaState(inner, state.ema, state.step)
 
     return GradientTransformation(init, update, apply)
