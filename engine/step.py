@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from engine import rng
+from engine.metrics import is_metric_object
 from engine.optim.base import GradientTransformation, apply_updates
 from engine.optim.freezing import frozen_reader
 from engine.state import TrainState
@@ -196,7 +197,7 @@ def _detached(values: Mapping[str, Any]) -> Metrics:
             out[k] = v.detach()
         elif isinstance(v, numbers.Real):  # bools and numpy scalars too, as Lightning logs them
             out[k] = torch.as_tensor(float(v))
-        elif all(callable(getattr(v, m, None)) for m in ("update", "compute", "reset")):
+        elif is_metric_object(v):
             if callable(getattr(v, "keys", None)):  # a torchmetrics MetricCollection
                 raise TypeError(
                     f"metric {k!r} is a collection of metrics; return each under its own name "

@@ -1192,7 +1192,7 @@ def _check_custom_step(trainer: Trainer) -> None:
                 "its optimizers) or compile inside it, and leave the flag at its default"
             )
     precision = trainer._precision
-    if type(precision).wrap_grad is not transforms.Transform.wrap_grad:
+    if precision.overrides("wrap_grad"):
         raise ValueError(
             f"Trainer(precision={trainer.precision!r}) autocasts the forward pass of a train step "
             "built from loss_fn; the task's step_fn is its own step: enter torch.autocast "

@@ -85,6 +85,10 @@ class Transform:
         """A pure core ``core(module, params, buffers, *args)`` of a step."""
         return core
 
+    def overrides(self, hook: str) -> bool:
+        """Whether this transform's ``hook`` is its own rather than the identity above."""
+        return getattr(type(self), hook) is not getattr(Transform, hook)
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"

@@ -129,10 +129,6 @@ def _compile(value: bool | Mapping[str, Any]) -> Transform | None:
     raise TypeError(f"compose(compile={value!r}): pass True, False or torch.compile options")
 
 
-def _overrides(t: Transform, hook: str) -> bool:
-    return getattr(type(t), hook) is not getattr(Transform, hook)
-
-
 @attrs.frozen
 class Pipeline:
     """Step transforms composed in their order (outermost first); built by :func:`compose`.
@@ -148,7 +144,7 @@ class Pipeline:
     _movers: tuple[Callable[[Any], Any], ...] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        movers = tuple(t.move for t in self.transforms if _overrides(t, "move"))
+        movers = tuple(t.move for t in self.transforms if t.overrides("move"))
         object.__setattr__(self, "_movers", movers)
 
     def __repr__(self) -> str:

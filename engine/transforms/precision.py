@@ -391,6 +391,8 @@ class MixedPrecision(Transform):
             return update_fn
 
         def update(grads, params, opt_state, precision, step):
+            # new tensors, never the old state's updated in place: an asynchronous checkpoint
+            # of the previous state hashes its precision tensors after this step has run
             scale = precision["scale"].clone()
             tracker = precision["growth_tracker"].clone()
             inv_scale = scale.double().reciprocal().float()
