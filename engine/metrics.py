@@ -91,6 +91,23 @@ class LogOptions:
             )
 
 
+def _loss_renamed(metrics: Mapping[str, Any]) -> bool:
+    """Whether a metric other than ``"loss"`` is the loss itself (the same tensor, detached:
+    its storage), as in ``return loss, {"train_loss": loss}``."""
+    loss = metrics.get("loss")
+    if not isinstance(loss, Tensor):
+        return False
+    ptr = loss.untyped_storage().data_ptr()
+    return any(
+        k != "loss"
+        and isinstance(v, Tensor)
+        and v.untyped_storage().data_ptr() == ptr
+        and v.storage_offset() == loss.storage_offset()
+        and v.shape == loss.shape
+        for k, v in metrics.items()
+    )
+
+
 class MetricReducer:
     """Reductions of tensor metrics over an epoch; :meth:`compute` syncs once, at the end.
 
@@ -126,8 +143,13 @@ class MetricReducer:
         self.values: dict[str, Tensor] = {}
         self.weights: dict[str, int] = {}
         self.objects: dict[str, Any] = {}  # metric objects: they accumulate themselves
+        # the returned loss is also a metric of the user's own name (``{"train_loss": loss}``):
+        # then it is logged under that name only, as Lightning logs what self.log names
+        self._loss_renamed: bool | None = None
 
     def update(self, metrics: Mapping[str, Any], batch_size: int) -> None:
+        if self._loss_renamed is None:  # the first step's metrics decide (no host sync)
+            self._loss_renamed = _loss_renamed(metrics)
         if any(not isinstance(v, Tensor) for v in metrics.values()):
             tensors = {}
             for k, v in metrics.items():
@@ -206,10 +228,14 @@ class MetricReducer:
         keys = tuple(metrics)
         names = self._step_names.get(keys)
         if names is None:
+            if self._loss_renamed is None:
+                self._loss_renamed = _loss_renamed(metrics)
             names = self._step_names[keys] = [
                 (k, n)
                 for k in keys
-                if isinstance(metrics[k], Tensor) and (n := self._step_name(k)) is not None
+                if isinstance(metrics[k], Tensor)
+                and not (k == "loss" and self._loss_renamed)
+                and (n := self._step_name(k)) is not None
             ]
         if not names:
             return {}
@@ -224,6 +250,8 @@ class MetricReducer:
         for k, v in self.compute().items():
             options = self.options.get(k)
             if options is not None and options.on_epoch is False:
+                continue
+            if k == "loss" and self._loss_renamed:
                 continue
             name = metric_name("train", k)
             # epoch values only (on_step=False): the name as written, as Lightning logs it

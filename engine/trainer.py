@@ -348,17 +348,38 @@ class Trainer(FlagViews):
         For the driver and for code outside events; a listener returns
         :class:`~engine.events.Log` instead.
         """
+        self._log_row(metrics, step, run_row=step is None)
+
+    def _log_row(self, metrics: Mapping[str, float], step: int | None, *, run_row: bool) -> None:
+        """``log_metrics``; a row of the run's own (``run_row``) gets the epoch, an int, as
+        Lightning adds it."""
         row = dict(metrics)
-        if step is None:  # a row of the run's own: Lightning adds the epoch to it
-            # validate/test/predict from a checkpoint log at the step of the state given, not
-            # the checkpoint's (Lightning's global_step is the fit's): rows stay in step order
-            step = self.global_step if self._log_step is None else self._log_step
-            row.setdefault("epoch", float(self.current_epoch))
+        if not row:  # as Lightning: no row for nothing
+            return
+        if step is None:
+            step = self._row_step()
+        if run_row:
+            row.setdefault("epoch", self.current_epoch)
         for lg in self.loggers:
             lg.log_metrics(row, step)
         self.logged_metrics.update(row)
         self.callback_metrics.update(metrics)
         self._version += 1
+
+    def _row_step(self) -> int:
+        """The step a row of the run's own is logged at: Lightning's (its loop's
+        ``_batches_that_stepped``), the optimizer steps taken *before* the current batch's
+        until that batch is done (its ``on_train_batch_end`` and its validation), the state's
+        step otherwise. validate/test/predict from a checkpoint log at the step of the state
+        given, not the checkpoint's (Lightning's global_step is the fit's): rows stay in step
+        order."""
+        if self._log_step is not None:
+            return self._log_step
+        state = self._state
+        if state is None:
+            return 0
+        stepped = state.micro_step == 0 and state.step > 0  # this batch's optimizer step ran
+        return state.step - 1 if self._progress.phase.mid_batch and stepped else state.step
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -1149,7 +1170,9 @@ class _FitRun:
     def log(self, state: TrainState, metrics: Mapping[str, float]) -> None:
         t = self.trainer
         t._state = state
-        t.log_metrics(metrics)
+        # a training step's row, or the epoch's: Lightning logs both at the step before the
+        # (last) batch's optimizer step, as the batch's validation rows
+        t._log_row(metrics, max(state.step - 1, 0), run_row=True)
         t._update_prog_bar(metrics)
 
     def validate(self, state: TrainState, progress: Progress) -> tuple[TrainState, Progress]:

@@ -319,3 +319,144 @@ def test_evaluation_stages_match_lightning(stage):
     assert type(got) is type(expected) and len(got) == len(expected)
     if stage != "predict":
         assert [len(d) for d in got] == [len(d) for d in expected]
+
+
+# ----------------------------------------------------------------------------- logged rows
+
+
+def _csv_pairs(path):
+    """The (step, name) of every non-empty cell of a metrics.csv, and its epoch cells."""
+    import csv
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    pairs = sorted((int(r["step"]), k) for r in rows for k, v in r.items() if k != "step" and v)
+    return pairs, sorted({r["epoch"] for r in rows if r.get("epoch")})
+
+
+def _tb_pairs(log_dir):
+    """The (step, tag) of every scalar in a directory's TensorBoard event files."""
+    import struct
+    from pathlib import Path
+
+    from tensorboardX.proto.event_pb2 import Event as TBEvent
+
+    out = []
+    for path in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            ev = TBEvent.FromString(data[i + 12 : i + 12 + n])
+            i += 16 + n
+            out += [(ev.step, v.tag) for v in ev.summary.value if v.WhichOneof("value")]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_logged_rows_have_lightnings_steps_names_and_integer_epochs(tmp_path, accumulate):
+    """One program under both trainers: training rows every 2 steps, an on_epoch-only metric,
+    validation twice an epoch, a test after the fit, the learning rate; the CSV and TensorBoard
+    files must hold the same (step, name) pairs, with integer epochs."""
+    import torch.nn.functional as F
+
+    from engine.listeners import LearningRateMonitor
+    from engine.loggers import CSVLogger, TensorBoardLogger
+
+    _quiet()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(24, 2, generator=g), torch.randn(24, 1, generator=g))
+    loader = DataLoader(data, batch_size=4)
+    flags = {
+        "max_epochs": 2,
+        "log_every_n_steps": 2,
+        "val_check_interval": 3,
+        "accumulate_grad_batches": accumulate,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+    }
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = F.mse_loss(self.layer(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            self.log("train_mae", F.l1_loss(self.layer(batch[0]), batch[1]), on_epoch=True)
+            self.log("train_size", float(len(batch[0])), on_step=False, on_epoch=True)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", F.mse_loss(self.layer(batch[0]), batch[1]))
+
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", F.mse_loss(self.layer(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    pl_trainer = pl.Trainer(
+        logger=[
+            pl.loggers.CSVLogger(tmp_path / "pl_csv"),
+            pl.loggers.TensorBoardLogger(tmp_path / "pl_tb", default_hp_metric=False),
+        ],
+        callbacks=[pl.callbacks.LearningRateMonitor()],
+        **flags,
+    )
+    module = Module()
+    pl_trainer.fit(module, loader, loader)
+    # Lightning's TensorBoardLogger reopens its writer for the test in the same second, whose
+    # event file then replaces the fit's: its fit's rows are read before
+    tb_theirs = _tb_pairs(tmp_path / "pl_tb")
+    pl_trainer.test(module, loader, verbose=False)
+
+    def training_step(m, b):
+        loss = F.mse_loss(m(b[0]), b[1])
+        return loss, {
+            "train_loss": loss,
+            "train_mae": F.l1_loss(m(b[0]), b[1]),
+            "train_size": float(len(b[0])),
+        }
+
+    task = eg.Task(
+        training_step,
+        optim.sgd(0.1),
+        eval_fn=lambda m, b: {"val_loss": F.mse_loss(m(b[0]), b[1])},
+        test_fn=lambda m, b: {"test_loss": F.mse_loss(m(b[0]), b[1])},
+        lr=0.1,
+        log_options={
+            "train_loss": eg.LogOptions(on_epoch=False),
+            "train_mae": eg.LogOptions(on_step=True, on_epoch=True),
+            "train_size": eg.LogOptions(on_step=False, on_epoch=True),
+        },
+    )
+    csv_logger = CSVLogger(tmp_path / "eg_csv")
+    trainer = eg.Trainer(
+        logger=[csv_logger, TensorBoardLogger(tmp_path / "eg_tb")],
+        callbacks=[LearningRateMonitor()],
+        default_root_dir=tmp_path,
+        **{k: v for k, v in flags.items() if k != "enable_checkpointing"},
+    )
+    torch.manual_seed(0)
+    state = trainer.fit(task, task.init(torch.nn.Linear(2, 1)), loader, loader)
+    tb_ours = _tb_pairs(tmp_path / "eg_tb")
+    trainer.test(task, state, loader, verbose=False)
+
+    (theirs,) = (tmp_path / "pl_csv").rglob("metrics.csv")
+    lightning, lightning_epochs = _csv_pairs(theirs)
+    ours, our_epochs = _csv_pairs(csv_logger.metrics_file)
+    assert lightning_epochs == ["0", "1", "2"]  # the test's row: after the fit's 2 epochs
+    assert our_epochs == lightning_epochs
+    # every row as Lightning writes it; the rate once per step where Lightning writes it at
+    # each micro-batch of an accumulation window (and again at the epoch's start)
+    assert [p for p in ours if p[1] != "lr-SGD"] == [p for p in lightning if p[1] != "lr-SGD"]
+    assert sorted(set(ours)) == sorted(set(lightning))
+    assert tb_theirs  # the fit's rows
+    assert [p for p in tb_ours if p[1] != "lr-SGD"] == [p for p in tb_theirs if p[1] != "lr-SGD"]
+    assert sorted(set(tb_ours)) == sorted(set(tb_theirs))
+    # and the test's rows too: every row of the CSV, each of its values a scalar
+    assert sorted(set(_tb_pairs(tmp_path / "eg_tb"))) == sorted(set(lightning))

@@ -473,6 +473,7 @@ class _Logger:
 class _Task:
     def __init__(self, lr: Any, momentum: Any = None) -> None:
         self.lr = lr
+        self.tx = optim.sgd(0.1)  # torch.optim.SGD's: Lightning names its rate lr-SGD
         if momentum is not None:
             self.momentum = momentum
 
@@ -496,8 +497,8 @@ def test_lr_monitor_logs_what_torch_scheduler_gives_each_step():
         task=_Task(optim.step_lr(0.1, 3, 0.5)),
     ).fit()
     assert [step for step, _ in fit.logged] == list(range(8))
-    assert [m["lr"] for _, m in fit.logged] == pytest.approx(expected, rel=1e-12)
-    assert monitor.lrs["lr"] == [m["lr"] for _, m in fit.logged]
+    assert [m["lr-SGD"] for _, m in fit.logged] == pytest.approx(expected, rel=1e-12)
+    assert monitor.lrs["lr-SGD"] == [m["lr-SGD"] for _, m in fit.logged]
 
 
 def test_lr_monitor_epoch_interval_logs_at_each_epoch_start():
@@ -509,7 +510,7 @@ def test_lr_monitor_epoch_interval_logs_at_each_epoch_start():
         loggers=[_Logger()],
         task=_Task(lambda step: 1.0 / (step + 1)),
     ).fit()
-    assert fit.logged == [(0, {"lr": 1.0}), (2, {"lr": 1 / 3}), (4, {"lr": 1 / 5})]
+    assert fit.logged == [(0, {"lr-SGD": 1.0}), (2, {"lr-SGD": 1 / 3}), (4, {"lr-SGD": 1 / 5})]
 
 
 def test_lr_monitor_follows_log_every_n_steps_and_logs_once_per_optimizer_step():
@@ -519,7 +520,8 @@ def test_lr_monitor_follows_log_every_n_steps_and_logs_once_per_optimizer_step()
     )
     fit.log_every_n_steps = 2
     fit.fit()
-    assert [s for s, _ in fit.logged] == [1, 3, 5]  # Lightning: (step + 1) % n == 0
+    # Lightning: (step + 1) % n == 0, and a rate without a scheduler at each epoch's start too
+    assert [s for s, _ in fit.logged] == [0, 1, 3, 5]
     # micro-batches of one accumulation window share a step: logged once
     fit.logged.clear()
     fit.log_every_n_steps = 1
@@ -530,17 +532,117 @@ def test_lr_monitor_follows_log_every_n_steps_and_logs_once_per_optimizer_step()
             Event.ON_TRAIN_BATCH_START, "fit", state.replace(micro_step=micro), {}, fit.view()
         )
         requests.append(monitor.on_train_batch_start(rec))
-    assert requests == [Log({"lr": 0.1}, step=10), None, None]
+    assert requests == [Log({"lr-SGD": 0.1}, step=10), None, None]
 
 
 def test_lr_monitor_logs_momentum_when_the_task_has_one():
     monitor = LearningRateMonitor(log_momentum=True)
     fit = FakeFit([monitor], max_epochs=1, loggers=[_Logger()], task=_Task(0.1, momentum=0.9)).fit()
-    assert fit.logged[0] == (0, {"lr": 0.1, "momentum": 0.9})
+    assert fit.logged[0] == (0, {"lr-SGD": 0.1, "lr-SGD-momentum": 0.9})  # Lightning's names
     with pytest.warns(RuntimeWarning, match="momentum"):
         FakeFit(
             [LearningRateMonitor(log_momentum=True)], loggers=[_Logger()], task=_Task(0.1)
         ).fit()
+
+
+def _lightning_rate_names(groups, optimizer_cls=torch.optim.AdamW):
+    """The names and rates Lightning's LearningRateMonitor logs for a torch optimizer over
+    ``groups`` (param group dicts without params, one per group)."""
+    pl = pytest.importorskip("pytorch_lightning")
+    import logging
+    import warnings
+
+    logged: list[dict[str, float]] = []
+
+    class Rows(pl.loggers.Logger):
+        name, version = "rows", 0
+
+        def log_metrics(self, metrics, step=None):
+            logged.append({k: v for k, v in metrics.items() if k.startswith("lr")})
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.nets = nn.ModuleList(nn.Linear(2, 1) for _ in groups)
+
+        def training_step(self, batch, batch_idx):
+            return sum(net(batch[0]).sum() for net in self.nets)
+
+        def configure_optimizers(self):
+            return optimizer_cls(
+                [{"params": n.parameters(), **g} for n, g in zip(self.nets, groups, strict=True)]
+            )
+
+    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(
+            max_steps=1,
+            logger=Rows(),
+            callbacks=[pl.callbacks.LearningRateMonitor()],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        ).fit(Module(), torch.utils.data.DataLoader([(torch.ones(2),)], batch_size=None))
+    return next(row for row in logged if row)
+
+
+def _engine_rate_names(tx, lr=None):
+    rows: list[dict[str, float]] = []
+
+    class Rows:
+        def log_metrics(self, metrics, step):
+            rows.append({k: v for k, v in metrics.items() if k.startswith("lr")})
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(2, 1) for _ in range(2))
+
+        def forward(self, x):
+            return sum(layer(x) for layer in self.layers)
+
+    task = eg.Task(lambda m, b: m(b[0]).sum(), tx, lr=lr)
+    trainer = eg.Trainer(
+        max_steps=1,
+        logger=Rows(),
+        callbacks=[LearningRateMonitor()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        enable_journal=False,
+    )
+    trainer.fit(task, task.init(Two()), [(torch.ones(2),)])
+    return next(row for row in rows if row)
+
+
+def test_lr_monitor_names_rates_as_lightning_does_for_optimizers_and_param_groups():
+    by_layer = lambda params: {k: int(k.split(".")[1]) for k in params}  # noqa: E731
+    named = lambda params: {k: ("backbone", "head")[by_layer(params)[k]] for k in params}  # noqa: E731
+    # one optimizer: lr-AdamW
+    assert _engine_rate_names(optim.adamw(1e-3), lr=1e-3) == _lightning_rate_names([{"lr": 1e-3}])
+    assert _engine_rate_names(optim.from_torch(torch.optim.RAdam, lr=0.1), lr=0.1) == (
+        _lightning_rate_names([{"lr": 0.1}], torch.optim.RAdam)
+    )
+    # two param groups without names: lr-AdamW/pg1, lr-AdamW/pg2, each group's own rate (kept
+    # in each group's state by inject_hyperparams)
+    groups = optim.multi_transform(
+        {i: optim.inject_hyperparams(optim.adamw)(lr=lr) for i, lr in enumerate((1e-3, 1e-2))},
+        by_layer,
+    )
+    expected = _lightning_rate_names([{"lr": 1e-3}, {"lr": 1e-2}])
+    assert set(expected) == {"lr-AdamW/pg1", "lr-AdamW/pg2"}
+    assert _engine_rate_names(groups) == expected
+    # named groups: the names; the rates given per group as Task(lr={label: rate})
+    groups = optim.multi_transform({"backbone": optim.sgd(0.01), "head": optim.sgd(0.1)}, named)
+    expected = _lightning_rate_names(
+        [{"lr": 0.01, "name": "backbone"}, {"lr": 0.1, "name": "head"}], torch.optim.SGD
+    )
+    assert set(expected) == {"lr-SGD/backbone", "lr-SGD/head"}
+    assert _engine_rate_names(groups, lr={"backbone": 0.01, "head": 0.1}) == expected
 
 
 def test_lr_monitor_needs_a_logger_and_a_learning_rate():

@@ -96,11 +96,14 @@ def test_log_options_choose_step_and_epoch_rows_and_the_reduction():
     probe = eg.on(eg.Event.ON_TRAIN_BATCH_END, lambda rec: seen.append(float(rec.outputs["loss"])))
     trainer = eg.Trainer(max_epochs=1, logger=rows, log_every_n_steps=1, callbacks=[probe], **QUIET)
     trainer.fit(task, task.init(_model()), _data())
-    step_rows = [r for _, r in rows.rows if "train/loss" in r]
+    step_rows = [r for _, r in rows.rows if "train/peak" in r]
     assert len(step_rows) == 4
     assert all("train/only_epoch" not in r for r in step_rows)  # on_step=False
     assert all("train/both_step" in r and "train/both" not in r for r in step_rows)
-    (epoch_row,) = [r for _, r in rows.rows if "train/loss_epoch" in r]
+    # the loss is logged under the names given it ("both", "only_epoch"), not again as
+    # train/loss (Lightning logs only what self.log names)
+    assert not any("train/loss" in r or "train/loss_epoch" in r for _, r in rows.rows)
+    (epoch_row,) = [r for _, r in rows.rows if "train/peak_epoch" in r]
     assert epoch_row["train/peak_epoch"] == pytest.approx(2 * max(seen), rel=1e-6)  # "max"
     assert epoch_row["train/only_epoch"] == pytest.approx(sum(seen) / 4, rel=1e-6)
     assert "train/both_step" in trainer.progress_bar_metrics  # prog_bar=True

@@ -635,8 +635,9 @@ def test_a_logger_gets_every_nth_step_epoch_metrics_once_per_epoch_and_success()
     step_logs = [s for s, m in logger.calls if "train/loss" in m]
     epoch_logs = [s for s, m in logger.calls if "train/loss_epoch" in m]
     val_logs = [s for s, m in logger.calls if "val/loss" in m]
-    assert step_logs == [2, 4, 6, 8, 10]
-    assert epoch_logs == [5, 10] and val_logs == [5, 10]  # no sanity-check values
+    # Lightning's steps: the optimizer steps taken before the logged one
+    assert step_logs == [1, 3, 5, 7, 9]
+    assert epoch_logs == [4, 9] and val_logs == [4, 9]  # no sanity-check values
     assert logger.statuses == ["success"]
     assert trainer.loggers == [logger] and trainer.log_dir == trainer.default_root_dir
 
@@ -645,8 +646,8 @@ def test_logged_train_loss_matches_lightning():
     """Same model, data and SGD through Lightning: the same optimizer steps get logged with
     the same loss values, and the same epoch means.
 
-    Lightning labels a step's point with the count of steps *before* it
-    (``_batches_that_stepped``); engine labels it with ``global_step`` after it, one more.
+    Both label a step's point with the count of steps *before* it (Lightning's
+    ``_batches_that_stepped``).
     """
     pl = _quiet_lightning()
 
@@ -676,7 +677,7 @@ def test_logged_train_loss_matches_lightning():
 
     their_steps, our_steps = series(theirs.calls, "loss_step"), series(ours.calls, "train/loss")
     assert len(their_steps) == 5
-    assert [s + 1 for s, _ in their_steps] == [s for s, _ in our_steps]
+    assert [s for s, _ in their_steps] == [s for s, _ in our_steps]
     assert [v for _, v in our_steps] == pytest.approx([v for _, v in their_steps], rel=1e-5)
     their_epochs = [v for _, v in series(theirs.calls, "loss_epoch")]
     our_epochs = [v for _, v in series(ours.calls, "train/loss_epoch")]

@@ -1,11 +1,20 @@
-"""``LearningRateMonitor``: log the learning rate the optimizer uses, as metric ``"lr"``.
+"""``LearningRateMonitor``: log the learning rate the optimizer uses, named as Lightning names it.
 
-The rate is read from the task (``Task(lr=...)``: a float or a schedule ``step -> lr``),
+The rate is read from the optimizer state (an ``optim.inject_hyperparams`` optimizer, whose rate
+a transition may change) or the task (``Task(lr=...)``: a float or a schedule ``step -> lr``),
 evaluated at ``state.step`` -- the number of optimizer steps taken, which is the step the
 schedule is evaluated at by the next optimizer update. As in Lightning, it is logged at the start
 of a training batch (``logging_interval="step"``, the rate this batch's update will use) or of a
 training epoch (``"epoch"``), by returning :class:`~engine.events.Log` at ``step=state.step``
 (the driver sends it to the loggers once every listener has had the event).
+
+**Names** are Lightning's: ``lr-<optimizer>`` after the ``torch.optim`` class the optimizer
+matches (``optim.adamw`` is ``lr-AdamW``, ``optim.from_torch(torch.optim.RAdam)`` is
+``lr-RAdam``; a transformation of your own without a ``name`` is ``lr``). An
+``optim.multi_transform`` of one optimizer is one optimizer with parameter groups: each group's
+rate is ``lr-AdamW/<label>`` for a string label (Lightning's named param group) and
+``lr-AdamW/pg<i>`` (from 1, in the order of the groups) for any other. The momentum is
+``<name>-momentum``.
 """
 
 from __future__ import annotations
@@ -14,8 +23,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch.utils._pytree as pytree
+
 from engine.events import EventRecord, Listener, Log, RunView
 from engine.optim.inject import get_hyperparams
+from engine.optim.masking import MultiTransformState
 from engine.state import TrainState
 
 __all__ = ["LearningRateMonitor"]
@@ -25,14 +37,27 @@ def _value(value: Any, step: int) -> float:
     return float(value(step) if callable(value) else value)
 
 
-def _injected(state: TrainState | None) -> float | None:
-    """The learning rate an ``optim.inject_hyperparams`` optimizer keeps in the state, if any."""
-    if state is None:
+def _injected(opt_state: Any) -> float | None:
+    """The learning rate an ``optim.inject_hyperparams`` optimizer keeps in ``opt_state``, if
+    it holds exactly one."""
+    if opt_state is None:
         return None
     try:
-        return get_hyperparams(state.opt_state).get("lr")
+        return get_hyperparams(opt_state).get("lr")
     except ValueError:
         return None
+
+
+def _groups(opt_state: Any) -> dict[Any, Any] | None:
+    """The per-group states of the one ``optim.multi_transform`` in ``opt_state``, if any."""
+    is_leaf = lambda x: isinstance(x, MultiTransformState)  # noqa: E731
+    found = [x for x in pytree.tree_leaves(opt_state, is_leaf=is_leaf) if is_leaf(x)]
+    return dict(found[0].inner) if len(found) == 1 and len(found[0].inner) > 0 else None
+
+
+def _group_name(label: Any, i: int) -> str:
+    """Lightning's param group suffix: the group's name, else ``pg<i + 1>``."""
+    return label if isinstance(label, str) and label else f"pg{i + 1}"
 
 
 def _state(rec: EventRecord) -> TrainState:
@@ -46,20 +71,21 @@ class LearningRateMonitor(Listener):
     """Log the learning rate (and optionally the momentum) with the run's loggers.
 
     Args:
-        logging_interval: ``"step"`` (every optimizer step), ``"epoch"`` (every epoch start) or
-            ``None``; engine schedules are functions of the step, so ``None`` means ``"step"``.
-        log_momentum: also log ``"momentum"`` from the task's ``momentum`` attribute (a float or
-            a schedule ``step -> momentum``), when it has one.
+        logging_interval: ``"step"`` (every logging step), ``"epoch"`` (every epoch start) or
+            ``None``: Lightning's default, the logging steps and, for a rate that is no
+            schedule (a float, or one the state holds), every epoch start too.
+        log_momentum: also log ``<name>-momentum`` from the task's ``momentum`` attribute (a
+            float or a schedule ``step -> momentum``), when it has one.
 
     Attributes:
-        lrs: ``{"lr": [...]}``, every rate logged, in order.
+        lrs: ``{name: [...]}``, every rate logged, by name, in order (Lightning's ``lrs``).
 
     Raises:
         ValueError: if ``logging_interval`` is not ``"step"``, ``"epoch"`` or ``None``.
 
     In step mode the rate is logged once per optimizer step (at the first micro-batch of an
     accumulation window), and only on the logging steps (``rec.run.config.log_every_n_steps``:
-    Lightning logs when ``(step + 1) % log_every_n_steps == 0``).
+    Lightning logs when ``(step + 1) % log_every_n_steps == 0``, or when the run is stopping).
 
     Example:
         >>> import torch
@@ -76,9 +102,9 @@ class LearningRateMonitor(Listener):
         ...     rec = EventRecord(Event.ON_TRAIN_BATCH_START, "fit", state.replace(step=step),
         ...                       {}, run, batch_idx=step)
         ...     print(monitor.on_train_batch_start(rec))
-        Log(metrics={'lr': 0.1}, step=0)
-        Log(metrics={'lr': 0.1}, step=1)
-        Log(metrics={'lr': 0.010000000000000002}, step=2)
+        Log(metrics={'lr-SGD': 0.1}, step=0)
+        Log(metrics={'lr-SGD': 0.1}, step=1)
+        Log(metrics={'lr-SGD': 0.010000000000000002}, step=2)
     """
 
     def __init__(self, logging_interval: str | None = None, log_momentum: bool = False) -> None:
@@ -88,7 +114,7 @@ class LearningRateMonitor(Listener):
             )
         self.logging_interval = logging_interval
         self.log_momentum = log_momentum
-        self.lrs: dict[str, list[float]] = {"lr": []}
+        self.lrs: dict[str, list[float]] = {}
         self._last_step: int | None = None
 
     def on_fit_start(self, rec: EventRecord) -> None:
@@ -100,7 +126,14 @@ class LearningRateMonitor(Listener):
                 "remove the LearningRateMonitor"
             )
         task = rec.run.task
-        if getattr(task, "lr", None) is None and _injected(rec.state) is None:
+        state = rec.state
+        opt_state = state.opt_state if state is not None else None
+        groups = _groups(opt_state) or {}
+        if (
+            getattr(task, "lr", None) is None
+            and _injected(opt_state) is None
+            and (not groups or any(_injected(g) is None for g in groups.values()))
+        ):
             raise RuntimeError(
                 "LearningRateMonitor reads the learning rate from the optimizer state (an "
                 "optim.inject_hyperparams optimizer) or the task, and this run has neither; pass "
@@ -114,11 +147,11 @@ class LearningRateMonitor(Listener):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self.lrs = {"lr": []}
+        self.lrs = {}
         self._last_step = None
 
     def on_train_batch_start(self, rec: EventRecord) -> Log | None:
-        """In step mode: log the rate this batch's optimizer update uses."""
+        """In step mode (and Lightning's default): log the rates this batch's update uses."""
         if self.logging_interval == "epoch":
             return None
         state = _state(rec)
@@ -126,28 +159,52 @@ class LearningRateMonitor(Listener):
             return None  # one record per optimizer step, not per micro-batch
         config = rec.run.config
         every = config.log_every_n_steps if config is not None else None
-        if every and (state.step + 1) % every:
+        if every and (state.step + 1) % every and not rec.run.should_stop:
             return None
         return self._log(rec.run, state)
 
     def on_train_epoch_start(self, rec: EventRecord) -> Log | None:
-        """In epoch mode: log the rate at the epoch's first step."""
-        if self.logging_interval != "epoch":
+        """In epoch mode: log the rates at the epoch's first step; by default (Lightning's
+        ``None``), those that are no schedule."""
+        if self.logging_interval == "step":
             return None
         state = _state(rec)
+        if self.logging_interval is None and callable(getattr(rec.run.task, "lr", None)):
+            return None  # a schedule is a step-interval scheduler: logged at its steps
         return self._log(rec.run, state)
 
-    def _log(self, run: RunView, state: TrainState) -> Log:
+    def rates(self, run: RunView, state: TrainState) -> dict[str, float]:
+        """The learning rates (and momenta) at ``state.step``, by Lightning's names."""
         task, step = run.task, state.step
-        injected = _injected(state)  # a rate a transition may have changed: the state's
-        lr = injected if injected is not None else _value(getattr(task, "lr", None), step)
-        stats = {"lr": lr}
+        tx_name = getattr(getattr(task, "tx", None), "name", None)
+        base = f"lr-{tx_name}" if tx_name else "lr"
+        lr = getattr(task, "lr", None)
+        injected = _injected(state.opt_state)  # a rate a transition may have changed
+        groups = _groups(state.opt_state)
+        named: list[tuple[str, float]] = []
+        if groups is None or (injected is not None and not isinstance(lr, Mapping)):
+            named.append((base, injected if injected is not None else _value(lr, step)))
+        else:
+            for i, (label, group_state) in enumerate(groups.items()):
+                own = _injected(group_state)
+                if own is None:
+                    own = _value(lr[label] if isinstance(lr, Mapping) else lr, step)
+                named.append((f"{base}/{_group_name(label, i)}", own))
+        stats: dict[str, float] = {}
         momentum = getattr(task, "momentum", None) if self.log_momentum else None
-        if momentum is not None:
-            stats["momentum"] = _value(momentum, step)
-        self.lrs["lr"].append(stats["lr"])
-        self._last_step = step
-        return Log(stats, step=step)
+        for name, rate in named:
+            stats[name] = rate
+            if momentum is not None:
+                stats[f"{name}-momentum"] = _value(momentum, step)
+        return stats
+
+    def _log(self, run: RunView, state: TrainState) -> Log:
+        stats = self.rates(run, state)
+        for name, value in stats.items():
+            if not name.endswith("-momentum"):
+                self.lrs.setdefault(name, []).append(value)
+        self._last_step = state.step
+        return Log(stats, step=state.step)
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing to carry: the rate is a function of the step, or in the state."""

@@ -146,10 +146,15 @@ def next_version(root: str | os.PathLike[str]) -> int:
     return max(taken) + 1 if taken else 0
 
 
-def _to_float(name: str, value: Any) -> float:
-    """``value`` as a Python float (a one-element tensor is read with ``.item()``)."""
+def _to_float(name: str, value: Any) -> float | int:
+    """``value`` as a Python number (a one-element tensor is read with ``.item()``): an int
+    stays an int (the ``epoch`` Lightning adds to each row is written ``3``, not ``3.0``),
+    anything else is a float."""
     try:
-        return float(value.item() if hasattr(value, "item") else value)
+        value = value.item() if hasattr(value, "item") else value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        return float(value)
     except (TypeError, ValueError, RuntimeError) as e:
         raise TypeError(
             f"metric {name!r} must be a number or a one-element tensor "
