@@ -7,6 +7,7 @@ the value and what is accepted.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -419,3 +420,108 @@ class FlagViews:
     enable_journal: bool = _flag("enable_journal")
     profiler: str | None = _flag("profiler")
     default_root_dir: str = _flag("default_root_dir")
+
+
+# Lightning's Trainer attributes engine has no attribute for, and what replaces each
+LIGHTNING_ATTRIBUTES = {
+    "lightning_module": "the model is the state: trainer.state.params / .buffers (its module, "
+    "state.module, is a stateless template shared by the steps); to run it, "
+    "engine.predict_step(fn)(state, batch) or engine.eval_step(fn)(state, batch), in eval mode "
+    "without changing the template (in a listener: rec.state)",
+    "model": "the model is the state: trainer.state.params / .buffers; run it with "
+    "engine.predict_step(fn)(trainer.state, batch)",
+    "optimizers": "the optimizer is trainer.task.tx (an engine.optim transformation) and its "
+    "state trainer.state.opt_state; optim.get_hyperparams(state.opt_state) reads an injected lr",
+    "optimizer": "the optimizer is trainer.task.tx and its state trainer.state.opt_state",
+    "lr_scheduler_configs": "a schedule is a function of the step inside the optimizer "
+    "(optim.adamw(optim.warmup_cosine(...))); stepped per epoch or on a metric, the listeners "
+    "LearningRateSchedule and ReduceLROnPlateau",
+    "lr_schedulers": "a schedule is a function of the step inside the optimizer "
+    "(optim.adamw(optim.warmup_cosine(...))); the listeners LearningRateSchedule and "
+    "ReduceLROnPlateau",
+    "fit_loop": "the fit loop is a function, engine.loop.fit.fit; its position is "
+    "trainer.global_step, trainer.current_epoch and trainer.state.batch_idx, its limits "
+    "trainer.config (and trainer.estimated_stepping_batches)",
+    "validate_loop": "validation runs in trainer.validate(); its counts are "
+    "trainer.num_val_batches",
+    "test_loop": "testing runs in trainer.test(); its counts are trainer.num_test_batches",
+    "predict_loop": "prediction runs in trainer.predict(); its counts are "
+    "trainer.num_predict_batches",
+    "precision_plugin": "the precision is trainer.precision (the flag) and a step transform, "
+    "engine.transforms.precision_transform(trainer.precision); its state (a loss scale) is "
+    "trainer.state.precision",
+    "scaler": "the loss scale is state: trainer.state.precision (precision='16-mixed')",
+    "training": "trainer.stage == 'fit' (and not trainer.sanity_checking)",
+    "validating": "trainer.stage == 'validate', or a validation event of fit (on_validation_*)",
+    "testing": "trainer.stage == 'test'",
+    "predicting": "trainer.stage == 'predict'",
+    "is_last_batch": "in a listener, rec.batch_idx + 1 == rec.run.num_training_batches",
+    "val_dataloaders": "the loaders given to fit(val_dataloaders=...) or the datamodule's "
+    "val_dataloader() (trainer.datamodule)",
+    "test_dataloaders": "the loaders given to test() or the datamodule's test_dataloader()",
+    "predict_dataloaders": "the loaders given to predict() or the datamodule's "
+    "predict_dataloader()",
+    "checkpoint_connector": "checkpoints: trainer.save_checkpoint(path), "
+    "fit(ckpt_path=...), engine.checkpoint.load / read_meta",
+    "init_module": "build the module as usual and make the state with task.init(model, seed=...)",
+    "tuner": "there is no tuner; a learning-rate range test is a loop of engine steps",
+    "interrupted": "a SIGTERM/SIGINT during fit saves a checkpoint and exits; fit() raises on "
+    "an interruption",
+    "received_sigterm": "a SIGTERM during fit saves a checkpoint and exits (engine handles it)",
+}
+
+
+def missing_attribute(owner: str, name: str) -> AttributeError:
+    """The error for ``owner.name`` where ``name`` is a Lightning attribute engine replaces."""
+    instead = LIGHTNING_ATTRIBUTES.get(name)
+    if instead is None:
+        return AttributeError(f"'{owner}' object has no attribute '{name}'")
+    return AttributeError(
+        f"'{owner}' object has no attribute '{name}' (Lightning's trainer.{name}): {instead}"
+    )
+
+
+def warn_hyperparams_in_dtype(tx: Any, opt_state: Any, params: Mapping[str, Any], why: str) -> None:
+    """Warn, by name, about each optimizer hyperparameter that is not zero but rounds to zero
+    in the parameters' dtype (``eps=1e-8`` in float16: where a gradient is zero, Adam's
+    update is 0 / 0 = NaN, as ``torch.optim.AdamW`` on a ``.half()`` model gives). ``why``
+    says where the dtype comes from (the precision flag)."""
+    import warnings
+
+    from engine.optim import get_hyperparams, recipes
+
+    dtypes = sorted({p.dtype for p in params.values() if torch.is_floating_point(p)}, key=str)
+    found: list[tuple[str, str, float]] = []
+    for recipe in recipes(tx) if tx is not None else []:
+        found += [(recipe.name, k, v) for k, v in recipe.arguments.items()]
+    with contextlib.suppress(ValueError):  # an injected value may have changed since
+        found += [("inject_hyperparams", k, v) for k, v in get_hyperparams(opt_state).items()]
+    seen = set()
+    for name, key, value in found:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+            continue
+        for dtype in dtypes:
+            if torch.tensor(float(value), dtype=dtype).item() != 0.0 or (key, value) in seen:
+                continue
+            seen.add((key, value))
+            tiny = torch.finfo(dtype).tiny
+            effect = (
+                "where a gradient is zero the update is 0 / 0 = NaN on the foreach path "
+                "(torch.optim's default, optim's fused=False, compile=True), as "
+                "torch.optim on a model cast with .half() gives"
+                if key == "eps"
+                else "the optimizer computes with 0 in its place"
+            )
+            warnings.warn(
+                f"optim.{name}({key}={value!r}): {value!r} is 0 in {dtype} ({why}): {effect}. "
+                f"Pass a value of {key} that {dtype} holds (at least torch.finfo({dtype}).tiny = "
+                f"{tiny:.3g}, e.g. {key}={_suggest(tiny)}), or keep float32 parameters with "
+                "a mixed precision ('16-mixed', 'bf16-mixed')",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+
+def _suggest(tiny: float) -> str:
+    """A round value above ``tiny``: 1e-4 for float16."""
+    return f"{10 ** math.ceil(math.log10(tiny)):g}"

@@ -13,6 +13,7 @@ runs the same configurations through Lightning itself.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,10 +23,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import attrs
 import torch
 
-from engine import checkpoint, loop, transforms
-from engine._config import FlagViews
+from engine import checkpoint, loop, optim, transforms
+from engine._config import FlagViews, missing_attribute, warn_hyperparams_in_dtype
 from engine._profiling import Profiler
 from engine._resume import Checkpointer, RunRecord, SignalCatcher, _is
 from engine.data import (
@@ -314,6 +316,76 @@ class Trainer(FlagViews):
         return [self.root_device.index or 0]
 
     @property
+    def logger(self) -> Any:
+        """The first logger, or ``None`` without one (Lightning's ``trainer.logger``)."""
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def checkpoint_callbacks(self) -> list[Any]:
+        """The :class:`~engine.listeners.ModelCheckpoint` listeners, in order."""
+        return [x for x in self.callbacks if _is(x, "ModelCheckpoint")]
+
+    @property
+    def checkpoint_callback(self) -> Any:
+        """The first :class:`~engine.listeners.ModelCheckpoint`, or ``None`` (Lightning's
+        ``trainer.checkpoint_callback``: its ``best_model_path``, ``last_model_path``...)."""
+        found = self.checkpoint_callbacks
+        return found[0] if found else None
+
+    @property
+    def early_stopping_callbacks(self) -> list[Any]:
+        """The :class:`~engine.listeners.EarlyStopping` listeners, in order."""
+        return [x for x in self.callbacks if _is(x, "EarlyStopping")]
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        """The first :class:`~engine.listeners.EarlyStopping`, or ``None`` (Lightning's
+        ``trainer.early_stopping_callback``)."""
+        found = self.early_stopping_callbacks
+        return found[0] if found else None
+
+    @property
+    def progress_bar_callback(self) -> Any:
+        """The :class:`~engine.listeners.ProgressBar`, or ``None``."""
+        return next((x for x in self.callbacks if _is(x, "ProgressBar")), None)
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        """The optimizer steps the fit takes, as Lightning estimates them: ``max_steps`` when
+        epochs are unlimited (``inf`` when both are); else ``ceil(num_training_batches /
+        accumulate_grad_batches) * max(max_epochs, 1)``, capped by ``max_steps`` when it is set
+        (an unsized training loader: ``max_steps``). It counts the whole run from step 0 under
+        this Trainer's flags, so a resume that raised ``max_epochs`` reads the longer run.
+
+        A schedule gets it without computing it: ``total_steps="auto"``
+        (:class:`engine.optim.AutoLength`), resolved when the fit starts.
+
+        Raises:
+            RuntimeError: when epochs count and no fit has been given its training data yet
+                (Lightning asks the module for its loader; engine's come with ``fit``).
+        """
+        config = self.config
+        if config.max_epochs == -1:
+            return math.inf if config.max_steps == -1 else config.max_steps
+        if self.train_dataloader is None:
+            raise RuntimeError(
+                "trainer.estimated_stepping_batches counts the training batches, which a "
+                "Trainer knows once fit() is given its data; read it during or after fit() "
+                "(a schedule: total_steps='auto', resolved when the fit starts)"
+            )
+        batches = limit_batches(
+            "train", count_batches(self.train_dataloader), config.limit_train_batches
+        )
+        if batches == math.inf:
+            return config.max_steps
+        steps = math.ceil(batches / config.accumulate_grad_batches) * max(config.max_epochs, 1)
+        return min(steps, config.max_steps) if config.max_steps != -1 else steps
+
+    def __getattr__(self, name: str) -> Any:
+        # only for names not found otherwise: a Lightning attribute says what replaces it
+        raise missing_attribute(type(self).__name__, name)
+
+    @property
     def global_step(self) -> int:
         """Optimizer steps taken (Lightning's ``trainer.global_step``)."""
         return self._state.step if self._state is not None else 0
@@ -457,6 +529,8 @@ class Trainer(FlagViews):
         if self.stage == "fit" and (path / checkpoint.META).is_file():  # else load says why
             self._check_precision(path)
         self._state = saver.load(path, template, stage=self.stage, asked=ckpt_path)
+        if self.stage == "fit" and (path / checkpoint.META).is_file():
+            self._check_accumulation(path, self._state)
         self.ckpt_path = str(path)  # ModelCheckpoint never deletes the one a run resumed from
         new_reducer = None if self.task is None else self.task.reducer
         restored = saver.restore_run(
@@ -486,6 +560,26 @@ class Trainer(FlagViews):
                 "another, start a new fit from its weights (checkpoint.load_weights(path, "
                 "model), then task.init(model))"
             )
+
+    def _check_accumulation(self, path: Path, state: TrainState) -> None:
+        """A fit resumed inside an accumulation window continues that window: only under the
+        ``accumulate_grad_batches`` it was saved with (its summed gradient holds
+        ``micro_step`` micro-batches, each divided by that value). At a window boundary another
+        value is allowed, as in Lightning: the next step comes where the new windows end."""
+        config = checkpoint.read_meta(path).get("extra", {}).get("config") or {}
+        saved = config.get("accumulate_grad_batches")
+        now = self.accumulate_grad_batches
+        if not state.micro_step or saved is None or saved == now:
+            return
+        raise checkpoint.CheckpointError(
+            f"fit(ckpt_path={str(path)!r}): the checkpoint was saved inside an accumulation "
+            f"window, {state.micro_step} of accumulate_grad_batches={saved} micro-batches "
+            f"after step {state.step} (batch {state.batch_idx} of epoch {state.epoch}), and "
+            f"this Trainer accumulates {now}: the window's gradient, summed over micro-batches "
+            f"each divided by {saved}, would be wrong. Resume with "
+            f"Trainer(accumulate_grad_batches={saved}), or from a checkpoint saved at an "
+            "optimizer step (a window boundary), where the value may change"
+        )
 
     def _datamodule_first(self, ckpt_path: Any, datamodule: Any) -> None:
         """Lightning restores a datamodule's state before asking it for loaders: resolve the
@@ -859,6 +953,16 @@ class Trainer(FlagViews):
             _check_custom_step(self)
         pipeline = self._transforms
         assert self._state is not None
+        # the run's length, where a schedule asked for it (total_steps="auto"): the task the
+        # fit runs (and the journal records, for replay) has it resolved
+        task = self.task = _resolve_total_steps(task, self)
+        if task.tx is not None:
+            warn_hyperparams_in_dtype(
+                task.tx,
+                self._state.opt_state,
+                self._state.params,
+                f"the parameters' dtype under precision={self.precision!r}",
+            )
         step = self._profiler.timed("train_step", task.train_step(transforms=pipeline))
         evaluate = (  # built only when there is something to validate (fit has no loaders
             # to add later), so a task without an evaluation function fits without one
@@ -1195,6 +1299,27 @@ def _datamodule_state(datamodule: Any) -> Mapping[str, Any] | None:
     get = getattr(datamodule, "state_dict", None)
     state = get() if callable(get) else None
     return state or None
+
+
+def _resolve_total_steps(task: Task, trainer: Trainer) -> Task:
+    """``task`` with its ``total_steps="auto"`` schedules (:class:`engine.optim.AutoLength`)
+    resolved to ``trainer.estimated_stepping_batches``; ``task`` itself without any."""
+    tx = task.tx
+    if (tx is None or not optim.has_deferred(tx)) and not isinstance(task.lr, optim.AutoLength):
+        return task
+    total = trainer.estimated_stepping_batches
+    if isinstance(total, float) or total < 1:
+        raise ValueError(
+            f"total_steps='auto': the run's length is unknown "
+            f"(trainer.estimated_stepping_batches = {total}, with max_epochs="
+            f"{trainer.max_epochs}, max_steps={trainer.max_steps} and "
+            f"{trainer.num_training_batches or 'unsized'} training batches); set max_steps, or "
+            "max_epochs with a training loader that has a length, or pass total_steps=N"
+        )
+    lr = task.lr.resolve_total_steps(total) if isinstance(task.lr, optim.AutoLength) else task.lr
+    return attrs.evolve(
+        task, tx=None if tx is None else optim.resolve_total_steps(tx, total), lr=lr
+    )
 
 
 def _check_custom_step(trainer: Trainer) -> None:

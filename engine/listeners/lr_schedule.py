@@ -55,14 +55,23 @@ def _set_lr(lr: float) -> Callable[[Any], Any]:
 
 
 class _Stepped(Listener):
-    """Counts the ``interval`` boundaries and steps every ``frequency``-th (Lightning's rule:
-    the epoch index or step count, from 1, divisible by the frequency)."""
+    """Counts the ``interval`` boundaries and steps every ``frequency``-th, where Lightning
+    does: per epoch when ``current_epoch + 1`` is divisible by the frequency; per step after a
+    batch that stepped the optimizer whose index in the epoch, plus one, is (Lightning counts
+    the batch index within the epoch, not the global step). A check that reads a metric
+    (``after_validation``) waits for that batch's validation, if one follows it."""
 
     interval: str
     frequency: int
+    #: read the monitored metric after the batch's validation (ReduceLROnPlateau)
+    after_validation = False
+    #: a per-step check waiting for the validation after its batch
+    _due = False
 
     def on_train_epoch_end(self, rec: EventRecord) -> Transition | None:
-        if self.interval != "epoch" or rec.run.sanity_checking:
+        if self.interval == "step":
+            return self._due_now(rec)  # the epoch's last batch: no validation followed it
+        if rec.run.sanity_checking:
             return None
         if (rec.run.current_epoch + 1) % self.frequency:
             return None
@@ -71,8 +80,25 @@ class _Stepped(Listener):
     def on_train_batch_end(self, rec: EventRecord) -> Transition | None:
         if self.interval != "step" or rec.state is None or rec.state.micro_step:
             return None  # mid accumulation window: no optimizer step was taken
-        if rec.state.step % self.frequency:
+        if rec.batch_idx is None or (rec.batch_idx + 1) % self.frequency:
             return None
+        if self.after_validation:  # after this batch's validation, when one follows
+            self._due = True
+            return None
+        return self._step(rec)
+
+    def on_validation_end(self, rec: EventRecord) -> Transition | None:
+        if rec.run.sanity_checking or rec.run.stage != "fit":
+            return None
+        return self._due_now(rec)
+
+    def on_train_batch_start(self, rec: EventRecord) -> Transition | None:
+        return self._due_now(rec)  # no validation followed the batch the check was due after
+
+    def _due_now(self, rec: EventRecord) -> Transition | None:
+        if not self._due:
+            return None
+        self._due = False
         return self._step(rec)
 
     def _step(self, rec: EventRecord) -> Transition | None:
@@ -87,7 +113,10 @@ class ReduceLROnPlateau(_Stepped):
     The arguments and the arithmetic are torch's; ``monitor``, ``interval``, ``frequency`` and
     ``strict`` are the keys of Lightning's scheduler config. A check happens at the end of every
     ``frequency``-th training epoch (after that epoch's validation, where Lightning steps it) or,
-    with ``interval="step"``, after every ``frequency``-th optimizer step. The optimizer must
+    with ``interval="step"``, after each optimizer-stepping batch whose index in the epoch plus
+    one the frequency divides: after that batch's validation when one follows it (so a
+    validation metric is the one just computed, as in Lightning), else before the next batch.
+    The optimizer must
     keep its learning rate in its state: ``tx=optim.inject_hyperparams(optim.adamw)(lr=1e-3)``.
 
     Args:
@@ -164,6 +193,8 @@ class ReduceLROnPlateau(_Stepped):
         self.cooldown_counter = 0
         self.last_epoch = 0
 
+    after_validation = True
+
     def _better(self, current: float) -> bool:
         best = self.best
         if self.mode == "min":
@@ -222,6 +253,7 @@ class ReduceLROnPlateau(_Stepped):
             "num_bad_epochs": self.num_bad_epochs,
             "cooldown_counter": self.cooldown_counter,
             "last_epoch": self.last_epoch,
+            "due": self._due,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -229,6 +261,7 @@ class ReduceLROnPlateau(_Stepped):
         self.num_bad_epochs = int(state["num_bad_epochs"])
         self.cooldown_counter = int(state["cooldown_counter"])
         self.last_epoch = int(state["last_epoch"])
+        self._due = bool(state.get("due", False))  # absent from checkpoints before it
 
 
 class LearningRateSchedule(_Stepped):

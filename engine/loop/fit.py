@@ -92,7 +92,9 @@ def fit(
 
     ``progress.reducer`` is the epoch's metric reduction (restored by a resume). A state saved
     mid-epoch (``state.batch_idx > 0`` or ``progress.resume_phase``) finishes that epoch even if
-    a listener had asked to stop, as the run that never stopped did. The training loaders this
+    a listener had asked to stop, as the run that never stopped did; under a ``max_epochs`` or
+    ``max_steps`` it has already reached, it trains nothing (Lightning's ``FitLoop.done``
+    comes first). The training loaders this
     positions are restored as the user made them when it returns or raises.
     """
     reducer, track = progress.reducer, not config.barebones  # barebones: no metrics at all
@@ -100,7 +102,9 @@ def fit(
     last_reload: int | None = None
     try:
         state, progress = run.emit(Event.ON_TRAIN_START, state, progress)
-        while (
+        while not schedule.fit_done(config, epoch=state.epoch, global_step=state.step) and (
+            # mid-epoch, a stop asked for before the save does not end it (the run that never
+            # stopped finished the epoch); max_epochs / max_steps reached do, as in Lightning
             progress.resume_phase is not None
             or state.batch_idx > 0
             or not schedule.fit_done(
@@ -160,7 +164,10 @@ def fit(
                     Event.ON_TRAIN_BATCH_START, state, progress, batch=batch, batch_idx=batch_idx
                 )
                 steps = is_last or (batch_idx + 1) % config.accumulate_grad_batches == 0
-                state, progress, metrics = run.step(state, progress, batch, flush=is_last)
+                # the optimizer steps where Lightning's does: after the batch whose index in
+                # the epoch completes a window (a resume that changed accumulate_grad_batches
+                # at a window boundary steps after a partial one), and after the last batch
+                state, progress, metrics = run.step(state, progress, batch, flush=steps)
                 if track:
                     reducer.update(metrics, batch_size(batch))
                     if steps and state.step % config.log_every_n_steps == 0:

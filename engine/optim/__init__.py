@@ -32,13 +32,17 @@ from engine.optim.base import (
     GradientTransformation,
     OptState,
     Params,
+    Recipe,
     ScheduleLike,
     Updates,
     apply_gradients,
     apply_updates,
     chain,
+    has_deferred,
     identity,
     load_state_dict,
+    recipes,
+    resolve_total_steps,
     state_dict,
 )
 from engine.optim.freezing import (
@@ -65,6 +69,7 @@ from engine.optim.masking import (
     multi_transform,
 )
 from engine.optim.schedules import (
+    AutoLength,
     constant,
     cosine_decay,
     exponential,
@@ -99,6 +104,10 @@ __all__ = [
     "identity",
     "load_state_dict",
     "state_dict",
+    "Recipe",
+    "has_deferred",
+    "recipes",
+    "resolve_total_steps",
     # named optimizers
     "adagrad",
     "adam",
@@ -151,6 +160,7 @@ __all__ = [
     "TraceState",
     # schedules (also as the module optim.schedules)
     "schedules",
+    "AutoLength",
     "constant",
     "cosine_decay",
     "exponential",

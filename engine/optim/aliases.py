@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from engine.optim._common import Mask, _check_betas, _check_lr, _check_range, _lr_at
@@ -25,6 +26,7 @@ from engine.optim.base import (
     Updates,
     apply_updates,
     chain,
+    recorded,
 )
 from engine.optim.masking import _resolve, masked
 from engine.optim.transforms import (
@@ -41,6 +43,10 @@ _FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu")
 # A fused step for one (device, dtype, decay) group:
 # kernel(keys, grads, opt_state, params, step, decay), decay=False meaning weight_decay=0.
 FusedKernel = Callable[[list[str], Updates, OptState, Params, int, bool], None]
+
+
+# the torch.optim class each alias matches: LearningRateMonitor names the rate after it
+_TORCH_NAMES = {"adam": "Adam", "adamw": "AdamW"}
 
 
 def _fused_supported(p: torch.Tensor) -> bool:
@@ -174,6 +180,7 @@ def sgd(
         >>> params["w"]
         tensor([0.9000, 0.9000])
     """
+    arguments = dict(locals())  # as called, defaults included (the recipe)
     lr = _check_lr(lr)
     mask = _check_mask(mask)
     momentum = _check_range("momentum", momentum, 0.0)
@@ -200,7 +207,8 @@ def sgd(
             is_first_step=momentum != 0 and step == 0,
         )
 
-    return _with_fused(base, kernel, fused, "sgd", mask)
+    tx = attrs.evolve(_with_fused(base, kernel, fused, "sgd", mask), name="SGD")
+    return recorded(tx, "sgd", arguments, _sgd)
 
 
 def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, decoupled, name):
@@ -238,7 +246,7 @@ def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, d
             maximize=maximize,
         )
 
-    return _with_fused(base, kernel, fused, name, mask)
+    return attrs.evolve(_with_fused(base, kernel, fused, name, mask), name=_TORCH_NAMES[name])
 
 
 def adam(
@@ -283,7 +291,9 @@ def adam(
         >>> params["w"]
         tensor([0.9000, 0.9000])
     """
-    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, False, "adam")
+    arguments = dict(locals())  # as called, defaults included (the recipe)
+    tx = _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, False, "adam")
+    return recorded(tx, "adam", arguments, _adam)
 
 
 def adamw(
@@ -327,7 +337,9 @@ def adamw(
         >>> params["w"]
         tensor([0.8500, 0.8500])
     """
-    return _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, True, "adamw")
+    arguments = dict(locals())  # as called, defaults included (the recipe)
+    tx = _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, True, "adamw")
+    return recorded(tx, "adamw", arguments, _adamw)
 
 
 def rmsprop(
@@ -369,6 +381,7 @@ def rmsprop(
         >>> params["w"]
         tensor([0.9000, 0.9000])
     """
+    arguments = dict(locals())  # as called, defaults included (the recipe)
     lr = _check_lr(lr)
     mask = _check_mask(mask)
     momentum = _check_range("momentum", momentum, 0.0)
@@ -378,7 +391,8 @@ def rmsprop(
         members += [scale_by_rms(alpha, eps, centered), trace(momentum), scale_by_learning_rate(lr)]
     else:
         members.append(scale_by_rms(alpha, eps, centered, lr=lr))
-    return chain(*members)
+    tx = attrs.evolve(chain(*members), name="RMSprop")
+    return recorded(tx, "rmsprop", arguments, _rmsprop)
 
 
 def adagrad(
@@ -416,12 +430,14 @@ def adagrad(
         >>> params["w"]
         tensor([0.9000, 0.9000])
     """
+    arguments = dict(locals())  # as called, defaults included (the recipe)
     lr = _check_lr(lr)
     mask = _check_mask(mask)
     weight_decay = _check_range("weight_decay", weight_decay, 0.0)
     members = _gradient_prefix(maximize, weight_decay, mask)
     members.append(scale_by_adagrad(lr_decay, eps, initial_accumulator_value, lr=lr))
-    return chain(*members)
+    tx = attrs.evolve(chain(*members), name="Adagrad")
+    return recorded(tx, "adagrad", arguments, _adagrad)
 
 
 def lion(
@@ -454,6 +470,7 @@ def lion(
         >>> params["w"]
         tensor([0.5000, 1.5000])
     """
+    arguments = dict(locals())  # as called, defaults included (the recipe)
     lr = _check_lr(lr)
     mask = _check_mask(mask)
     b1, b2 = _check_betas(betas)
@@ -461,4 +478,29 @@ def lion(
     members = [scale_by_lion(b1, b2), scale_by_learning_rate(lr)]
     if weight_decay != 0:
         members.append(_decay(decoupled_weight_decay(weight_decay, lr), mask))
-    return chain(*members)
+    tx = attrs.evolve(chain(*members), name="Lion")
+    return recorded(tx, "lion", arguments, _lion)
+
+
+def _sgd(a: Mapping[str, Any]) -> GradientTransformation:
+    return sgd(**a)
+
+
+def _adam(a: Mapping[str, Any]) -> GradientTransformation:
+    return adam(**a)
+
+
+def _adamw(a: Mapping[str, Any]) -> GradientTransformation:
+    return adamw(**a)
+
+
+def _rmsprop(a: Mapping[str, Any]) -> GradientTransformation:
+    return rmsprop(**a)
+
+
+def _adagrad(a: Mapping[str, Any]) -> GradientTransformation:
+    return adagrad(**a)
+
+
+def _lion(a: Mapping[str, Any]) -> GradientTransformation:
+    return lion(**a)

@@ -12,13 +12,21 @@ back at the end of ``fit``; :func:`ema_params` reads it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from engine.optim.base import GradientTransformation, OptState, Params, Updates, apply_updates
+from engine.optim.base import (
+    GradientTransformation,
+    OptState,
+    Params,
+    Updates,
+    apply_updates,
+    recorded,
+)
 
 __all__ = ["EmaState", "ema_params", "ema_weights"]
 
@@ -140,7 +148,14 @@ def ema_weights(
                 average(state, params)
         return EmaState(inner, state.ema, state.step)
 
-    return GradientTransformation(init, update, apply)
+    arguments = {"tx": tx, "decay": decay, "every_n_steps": every_n_steps, "start_step": start_step}
+    return recorded(
+        GradientTransformation(init, update, apply), "ema_weights", arguments, _ema_again
+    )
+
+
+def _ema_again(a: Mapping[str, Any]) -> GradientTransformation:
+    return ema_weights(**a)
 
 
 def _found(opt_state: OptState) -> list[EmaState]:

@@ -60,6 +60,103 @@ class GradientTransformation:
     init: InitFn
     update: UpdateFn
     apply: ApplyFn | None = None
+    #: the ``torch.optim`` class this optimizer matches (``"AdamW"``), ``None`` for a piece of
+    #: one; ``LearningRateMonitor`` names the rate after it, as Lightning does (``lr-AdamW``)
+    name: str | None = None
+    #: how a named optimizer was built (:class:`Recipe`): its name and arguments, for the
+    #: Trainer's checks at fit start and for resolving ``total_steps="auto"`` schedules
+    recipe: Recipe | None = attrs.field(default=None, kw_only=True, eq=False, repr=False)
+
+
+@attrs.frozen
+class Recipe:
+    """How a transformation was built: ``name`` (``"adamw"``), its ``arguments`` by name
+    (defaults included) and ``rebuild(arguments) -> GradientTransformation``, which builds it
+    again from changed arguments (a schedule resolved to the run's length)."""
+
+    name: str
+    arguments: Mapping[str, Any]
+    rebuild: Callable[[Mapping[str, Any]], GradientTransformation] = attrs.field(repr=False)
+
+
+def recorded(
+    tx: GradientTransformation,
+    name: str,
+    arguments: Mapping[str, Any],
+    rebuild: Callable[[Mapping[str, Any]], GradientTransformation],
+) -> GradientTransformation:
+    """``tx`` with its :class:`Recipe` attached (the named optimizers and containers call this)."""
+    return attrs.evolve(tx, recipe=Recipe(name, dict(arguments), rebuild))
+
+
+def _is_deferred(x: Any) -> bool:
+    return callable(getattr(x, "resolve_total_steps", None))
+
+
+def _walk(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``value`` with ``fn`` applied to every transformation or deferred schedule in it
+    (through tuples, lists and dicts)."""
+    if isinstance(value, GradientTransformation) or _is_deferred(value):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_walk(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _walk(v, fn) for k, v in value.items()}
+    return value
+
+
+def recipes(tx: GradientTransformation) -> list[Recipe]:
+    """The recipes of ``tx`` and of every transformation recorded inside it, outermost first."""
+    found: list[Recipe] = []
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, GradientTransformation) and x.recipe is not None:
+            found.append(x.recipe)
+            _walk(x.recipe.arguments, visit)
+        return x
+
+    visit(tx)
+    return found
+
+
+def has_deferred(tx: GradientTransformation) -> bool:
+    """Whether a ``total_steps="auto"`` schedule (or another deferred length) is recorded in
+    ``tx``'s arguments, anywhere in it."""
+    return any(_is_deferred(v) for r in recipes(tx) for v in _flat(r.arguments))
+
+
+def _flat(arguments: Mapping[str, Any]) -> list[Any]:
+    out: list[Any] = []
+
+    def keep(x: Any) -> Any:
+        out.append(x)
+        return x
+
+    _walk(dict(arguments), keep)
+    return out
+
+
+def resolve_total_steps(tx: GradientTransformation, total_steps: int) -> GradientTransformation:
+    """``tx`` rebuilt with every ``total_steps="auto"`` schedule in its recorded arguments
+    given the run's length (the Trainer does this at fit start, from
+    ``trainer.estimated_stepping_batches``); ``tx`` itself when it has none.
+
+    Example:
+        >>> from engine import optim
+        >>> tx = optim.adamw(optim.warmup_cosine(1e-3, warmup_steps=2, total_steps="auto"))
+        >>> lr = optim.resolve_total_steps(tx, 10).recipe.arguments["lr"]
+        >>> round(lr(2), 6), lr(10)
+        (0.001, 0.0)
+    """
+
+    def resolve(x: Any) -> Any:
+        if _is_deferred(x):
+            return x.resolve_total_steps(total_steps)
+        if x.recipe is None or not has_deferred(x):
+            return x
+        return x.recipe.rebuild(_walk(dict(x.recipe.arguments), resolve))
+
+    return resolve(tx)
 
 
 def identity() -> GradientTransformation:
@@ -105,9 +202,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    # the optimizer a chain is (clipping then AdamW is AdamW): its last named member
+    name = next((t.name for t in reversed(transforms) if t.name is not None), None)
+    recipe = ({"transforms": transforms}, lambda a: chain(*a["transforms"]))
     last = transforms[-1].apply
     if last is None:
-        return GradientTransformation(init, update)
+        return recorded(GradientTransformation(init, update, name=name), "chain", *recipe)
     head = transforms[:-1]
 
     def apply(grads: Updates, opt_state: tuple, params: Params, step: int) -> tuple:
@@ -118,7 +218,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         new_state.append(last(grads, opt_state[-1], params, step))
         return tuple(new_state)
 
-    return GradientTransformation(init, update, apply)
+    return recorded(GradientTransformation(init, update, apply, name), "chain", *recipe)
 
 
 @torch.no_grad()

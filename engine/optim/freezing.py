@@ -30,6 +30,7 @@ from engine.optim.base import (
     Params,
     Updates,
     apply_updates,
+    recorded,
 )
 from engine.optim.inject import get_hyperparams, set_hyperparams
 from engine.optim.masking import MultiTransformState
@@ -287,7 +288,12 @@ def freezable(tx: GradientTransformation, frozen: FrozenSpec = ()) -> GradientTr
             return finish(state, sub)
         return finish(state, _merge(inner, sub, names, others_from_part=True))
 
-    return GradientTransformation(init, update, apply)
+    return recorded(
+        GradientTransformation(init, update, apply),
+        "freezable",
+        {"tx": tx, "frozen": frozen},
+        lambda a: freezable(a["tx"], a["frozen"]),
+    )
 
 
 # ------------------------------------------------------------------- changing a state

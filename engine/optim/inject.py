@@ -10,6 +10,7 @@ optimizer's numeric arguments into its state (optax's ``inject_hyperparams``);
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from engine.optim.base import (
     Params,
     Updates,
     apply_updates,
+    recorded,
 )
 
 __all__ = [
@@ -82,7 +84,7 @@ def inject_hyperparams(
             )
         numeric = {k: float(v) for k, v in kwargs.items() if _numeric(v)}
         fixed = {k: v for k, v in kwargs.items() if not _numeric(v)}
-        factory(**fixed, **numeric)  # refuses bad arguments now, not at the first step
+        probe = factory(**fixed, **numeric)  # refuses bad arguments now, not at the first step
         builder = _Builder(factory, fixed, tuple(sorted(numeric)))
         _BUILDERS.add(builder)
         tx_for = builder.tx_for
@@ -104,11 +106,27 @@ def inject_hyperparams(
             apply_updates(params, out)
             return InjectHyperparamsState(state.hyperparams, inner)
 
-        tx = GradientTransformation(init, update, apply)
+        # the recipe: the optimizer's own arguments (defaults included), rebuilt from those given
+        given = tuple(kwargs)
+        arguments = {**(probe.recipe.arguments if probe.recipe is not None else {}), **kwargs}
+        tx = recorded(
+            GradientTransformation(init, update, apply, probe.name),
+            getattr(factory, "__name__", "inject_hyperparams"),
+            arguments,
+            functools.partial(_inject_again, factory, given),
+        )
         _KEEP_ALIVE[tx] = builder  # the builder lives as long as the optimizer
         return tx
 
     return build
+
+
+def _inject_again(
+    factory: Callable[..., GradientTransformation], given: tuple[str, ...], a: Any
+) -> GradientTransformation:
+    """An injected optimizer built again from its recipe's arguments (module level, so a
+    pickled task holds a reference to it, not the module's registries)."""
+    return inject_hyperparams(factory)(**{k: a[k] for k in given})
 
 
 class _Builder:

@@ -18,6 +18,7 @@ from engine.optim.base import (
     Params,
     Updates,
     apply_updates,
+    recorded,
 )
 
 # --------------------------------------------------------------------------- per-parameter options
@@ -102,7 +103,12 @@ def masked(tx: GradientTransformation, mask: Mask) -> GradientTransformation:
             apply_updates(rest, grads)
         return MaskedState(inner)
 
-    return GradientTransformation(init, update, None if tx.apply is None else apply)
+    return recorded(
+        GradientTransformation(init, update, None if tx.apply is None else apply),
+        "masked",
+        {"tx": tx, "mask": mask},
+        lambda a: masked(a["tx"], a["mask"]),
+    )
 
 
 class MultiTransformState(NamedTuple):
@@ -185,4 +191,13 @@ def multi_transform(
         return MultiTransformState(inner)
 
     has_apply = any(t.apply is not None for t in transforms.values())
-    return GradientTransformation(init, update, apply if has_apply else None)
+    # one optimizer with param groups when every group runs the same one (torch.optim's
+    # param groups are of one class)
+    names = {t.name for t in transforms.values()}
+    name = names.pop() if len(names) == 1 else None
+    return recorded(
+        GradientTransformation(init, update, apply if has_apply else None, name),
+        "multi_transform",
+        {"transforms": dict(transforms), "labels": labels},
+        lambda a: multi_transform(a["transforms"], a["labels"]),
+    )

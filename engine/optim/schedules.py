@@ -51,6 +51,59 @@ def _count(name: str, value: int, minimum: int = 1) -> int:
     return value
 
 
+class AutoLength:
+    """A schedule whose length is the run's: what ``total_steps="auto"`` (``decay_steps="auto"``
+    for :func:`cosine_decay`) returns.
+
+    The Trainer resolves it when a fit starts, to ``trainer.estimated_stepping_batches`` (the
+    optimizer steps the run will take: ``ceil(batches / accumulate_grad_batches) *
+    max_epochs``, capped by ``max_steps``, as Lightning computes it), in an optimizer built by
+    :mod:`engine.optim` (its recorded arguments are rebuilt with the resolved schedule; see
+    :func:`engine.optim.resolve_total_steps`). A resumed fit resolves it again under its own
+    flags, so raising ``max_epochs`` lengthens the schedule, as Lightning's
+    ``estimated_stepping_batches`` does. Called unresolved (outside a Trainer) it raises.
+
+    Example:
+        >>> from engine.optim import schedules
+        >>> s = schedules.warmup_cosine(1.0, warmup_steps=2, total_steps="auto")
+        >>> s
+        warmup_cosine(peak=1.0, warmup_steps=2, init=0.0, end=0.0, total_steps='auto')
+        >>> [round(s.resolve_total_steps(6)(n), 4) for n in range(7)]
+        [0.0, 0.5, 1.0, 0.8536, 0.5, 0.1464, 0.0]
+    """
+
+    def __init__(self, factory: Callable[..., Schedule], key: str, **arguments: float) -> None:
+        self.factory, self.key, self.arguments = factory, key, arguments
+        factory(**arguments, **{key: 2**40})  # the other arguments are checked now
+
+    def resolve_total_steps(self, total_steps: int) -> Schedule:
+        """The schedule for a run of ``total_steps`` optimizer steps."""
+        try:
+            return self.factory(**self.arguments, **{self.key: total_steps})
+        except ValueError as e:
+            raise ValueError(
+                f"{self!r}: the run takes {total_steps} optimizer steps "
+                f"(trainer.estimated_stepping_batches), too few for this schedule: {e}"
+            ) from None
+
+    def __call__(self, step: int) -> float:
+        raise RuntimeError(
+            f"{self!r} is resolved when a Trainer's fit starts, to the run's optimizer steps "
+            "(trainer.estimated_stepping_batches), for an optimizer built by engine.optim "
+            "(optim.adamw(schedule), optim.chain(...), optim.inject_hyperparams(...)); this one "
+            f"was called unresolved: outside a Trainer pass {self.key}=N, or resolve the "
+            "optimizer with optim.resolve_total_steps(tx, N)"
+        )
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.arguments.items())
+        return f"{self.factory.__name__}({shown}, {self.key}='auto')"
+
+
+def _auto(value: object) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
 def constant(value: float) -> Schedule:
     """Always ``value``.
 
@@ -123,7 +176,7 @@ def exponential(init: float, gamma: float) -> Schedule:
     return lambda step: init * gamma**step
 
 
-def cosine_decay(init: float, decay_steps: int, eta_min: float = 0.0) -> Schedule:
+def cosine_decay(init: float, decay_steps: int | str, eta_min: float = 0.0) -> Schedule:
     """Half a cosine from ``init`` at step 0 to ``eta_min`` at ``decay_steps``, then constant.
 
     torch's ``CosineAnnealingLR(T_max=decay_steps, eta_min=eta_min)`` up to ``decay_steps``
@@ -135,8 +188,10 @@ def cosine_decay(init: float, decay_steps: int, eta_min: float = 0.0) -> Schedul
         >>> [round(s(n), 4) for n in range(6)]
         [1.0, 0.8536, 0.5, 0.1464, 0.0, 0.0]
     """
+    if _auto(decay_steps):  # the run's length, resolved by the Trainer (AutoLength)
+        return AutoLength(cosine_decay, "decay_steps", init=init, eta_min=eta_min)
     init, eta_min = _nonneg("init", init), _nonneg("eta_min", eta_min)
-    decay_steps = _count("decay_steps", decay_steps)
+    decay_steps = _count("decay_steps", decay_steps)  # type: ignore[arg-type]
 
     def schedule(step: int) -> float:
         t = _min(step, decay_steps)
@@ -146,7 +201,7 @@ def cosine_decay(init: float, decay_steps: int, eta_min: float = 0.0) -> Schedul
 
 
 def warmup_cosine(
-    peak: float, warmup_steps: int, total_steps: int, init: float = 0.0, end: float = 0.0
+    peak: float, warmup_steps: int, total_steps: int | str, init: float = 0.0, end: float = 0.0
 ) -> Schedule:
     """Linear warm-up from ``init`` to ``peak`` over ``warmup_steps``, then cosine to ``end`` at
     ``total_steps`` (constant after).
@@ -160,9 +215,13 @@ def warmup_cosine(
         >>> [round(s(n), 4) for n in range(7)]
         [0.0, 0.5, 1.0, 0.8536, 0.5, 0.1464, 0.0]
     """
+    if _auto(total_steps):  # the run's length, resolved by the Trainer (AutoLength)
+        return AutoLength(
+            warmup_cosine, "total_steps", peak=peak, warmup_steps=warmup_steps, init=init, end=end
+        )
     peak, init, end = _nonneg("peak", peak), _nonneg("init", init), _nonneg("end", end)
     warmup_steps = _count("warmup_steps", warmup_steps, 0)
-    total_steps = _count("total_steps", total_steps)
+    total_steps = _count("total_steps", total_steps)  # type: ignore[arg-type]
     if total_steps <= warmup_steps:
         raise ValueError(
             f"'total_steps' ({total_steps}) must be greater than 'warmup_steps' ({warmup_steps})"
@@ -181,7 +240,7 @@ def warmup_cosine(
 
 def one_cycle(
     max_lr: float,
-    total_steps: int,
+    total_steps: int | str,
     pct_start: float = 0.3,
     div_factor: float = 25.0,
     final_div_factor: float = 1e4,
@@ -200,8 +259,19 @@ def one_cycle(
         >>> round(s(0), 4), round(s(2), 4), s(9)
         (0.04, 1.0, 4e-06)
     """
+    if _auto(total_steps):  # the run's length, resolved by the Trainer (AutoLength)
+        return AutoLength(
+            one_cycle,
+            "total_steps",
+            max_lr=max_lr,
+            pct_start=pct_start,
+            div_factor=div_factor,
+            final_div_factor=final_div_factor,
+            anneal=anneal,  # type: ignore[arg-type]
+            three_phase=three_phase,
+        )
     max_lr = _nonneg("max_lr", max_lr)
-    total_steps = _count("total_steps", total_steps)
+    total_steps = _count("total_steps", total_steps)  # type: ignore[arg-type]
     if (
         isinstance(pct_start, bool)
         or not isinstance(pct_start, (int, float))

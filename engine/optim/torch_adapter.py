@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from engine.optim._common import _check_lr, _lr_at
-from engine.optim.base import GradientTransformation, Params, ScheduleLike, Updates
+from engine.optim.base import GradientTransformation, Params, ScheduleLike, Updates, recorded
 
 
 class TorchOptimizerState(NamedTuple):
@@ -132,4 +132,12 @@ def from_torch(
         state = apply(dict(updates), state, copies, step)
         return {k: copies[k].sub_(params[k]) for k in params}, state
 
-    return GradientTransformation(init, update, apply)
+    # the recipe: torch's defaults, then the arguments given (what the fit-start checks read)
+    signature = inspect.signature(optimizer_cls.__init__).parameters.values()
+    defaults = {p.name: p.default for p in signature if p.default is not inspect.Parameter.empty}
+    return recorded(
+        GradientTransformation(init, update, apply, optimizer_cls.__name__),
+        f"from_torch(torch.optim.{optimizer_cls.__name__})",
+        {**defaults, "optimizer_cls": optimizer_cls, "lr": lr, **kwargs},
+        lambda a: from_torch(**{k: a[k] for k in ("optimizer_cls", "lr", *kwargs)}),
+    )
