@@ -12,7 +12,15 @@ the line ``"step": n`` is written after the ``n``-th optimizer step, so replayin
 A journal that holds every step's loss pins a divergence to its step. One without (written by an
 engine before ``losses``) pins it to an interval: the first differing value was seen at a line's
 step, and the steps since the last value that matched hold no journaled value
-(:attr:`ReplayReport.diverged_after`).
+(:attr:`ReplayReport.diverged_after`). A fingerprint that differs after every loss matched is
+placed after the last fingerprint that matched, and the report says the losses matched.
+
+Replay believes nothing it has not checked: every journal line is validated (a malformed one is
+refused by line number), each fit's lines must lie between its start and end lines, the
+checkpoint it starts from must hold the state its journal line describes (step and fingerprint:
+a reused name such as ``last`` holds a later state, and an older checkpoint is taken instead),
+every journaled value of the replayed steps is compared or reported, and pickled code is read
+only from files inside the run directory.
 
 The typical use is a loss that turned NaN: the journal shows roughly where, a replay of that
 stretch names the first step with a non-finite loss, and replaying exactly that step with
@@ -22,12 +30,13 @@ that called it (see docs/checkpoints.md).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +45,7 @@ import attrs
 from engine import checkpoint
 from engine._pickling import load_skeleton, loads_code
 from engine.events import EventRecord, Listener, Transition
-from engine.listeners.journal import CONFIG, DATA, JOURNAL, MODEL, TASK, Journal
+from engine.listeners.journal import CONFIG, DATA, JOURNAL, MODEL, TASK, Journal, JournalError
 from engine.state import TrainState
 
 __all__ = [
@@ -75,22 +84,28 @@ class Divergence:
 
     Attributes:
         step: the optimizer step (journal numbering).
-        epoch: the epoch at that point.
-        batch_idx: batches consumed in that epoch.
-        values: for each differing quantity (``"loss"``, ``"lr"``, ``"fingerprint"``), the pair
-            ``(journal, replay)``.
+        epoch: the epoch at that point (the replay's).
+        batch_idx: batches consumed in that epoch (the replay's).
+        values: for each differing quantity (``"loss"``, ``"lr"``, ``"fingerprint"``, or the
+            position, ``"epoch"`` / ``"batch_idx"`` / ``"position"``, of a line the replay never
+            reached), the pair ``(journal, replay)``.
+        line: the journal's line number holding the differing value.
     """
 
     step: int
     epoch: int
     batch_idx: int
     values: Mapping[str, tuple[Any, Any]]
+    line: int | None = None
 
     def __str__(self) -> str:
         diffs = "; ".join(
             f"{k}: journal {a!r} != replay {b!r}" for k, (a, b) in self.values.items()
         )
-        return f"step {self.step} (epoch {self.epoch}, batch {self.batch_idx}): {diffs}"
+        where = f"epoch {self.epoch}, batch {self.batch_idx}"
+        if self.line is not None:
+            where += f"; journal line {self.line}"
+        return f"step {self.step} ({where}): {diffs}"
 
 
 @attrs.frozen
@@ -104,7 +119,10 @@ class ReplayReport:
         from_step: the first step asked for.
         to_step: the last step asked for.
         steps: optimizer steps re-executed (from ``start_step + 1``).
-        compared: journaled values compared (losses, learning rates, fingerprints).
+        compared: journaled values compared: every loss (a line's ``loss`` and each of its
+            ``losses``), learning rate and fingerprint of the replayed steps, and the start
+            checkpoint's fingerprint. With no divergence, that is every such value the journal
+            holds for those steps.
         divergence: the first difference, or ``None``. Its ``step`` is where the first differing
             value was seen.
         first_nonfinite_step: the first re-executed step with a NaN or infinite loss, in any of
@@ -118,13 +136,15 @@ class ReplayReport:
             quantities (loss, learning rate or fingerprint) were journaled and matched, or at
             which the state's fingerprint matched (the step the replay started from, at the
             latest): the run first differed in one of the steps ``diverged_after + 1`` ..
-            ``divergence.step``, and the steps in between journaled none of those quantities.
-            It is ``divergence.step - 1`` for a loss when the journal holds every step's loss
-            (losses that match do not show that the state does: a fingerprint that differs is
-            placed after the last one that matched). ``None`` without a divergence, or when the
-            checkpoint the replay starts from differs from its journaled fingerprint.
+            ``divergence.step``. It is ``divergence.step - 1`` for a loss when the journal holds
+            every step's loss (losses that match do not show that the state does: a fingerprint
+            that differs is placed after the last one that matched). ``None`` without a
+            divergence, or for a line the replay never reached.
         first_divergent_step: the step that first differed when the journal pins it
             (``divergence.step`` when ``diverged_after`` is the step before), else ``None``.
+        losses_matched: for a divergence in the fingerprint alone, how many of the steps
+            ``diverged_after + 1`` .. ``divergence.step`` had a journaled loss, all of which
+            matched; else ``None``.
     """
 
     run_dir: str
@@ -142,6 +162,7 @@ class ReplayReport:
     anomaly_step: int | None = None
     diverged_after: int | None = None
     first_divergent_step: int | None = None
+    losses_matched: int | None = None
 
     @property
     def identical(self) -> bool:
@@ -154,18 +175,33 @@ class ReplayReport:
             f"({self.start_step + 1}..{self.start_step + self.steps}) from {self.checkpoint} "
             f"(step {self.start_step})"
         )
+        div, after = self.divergence, self.diverged_after
         if self.anomaly is not None:
             out = f"{head}; anomaly detected at step {self.anomaly_step}:\n{self.anomaly}"
-        elif self.divergence is not None and self.first_divergent_step is None:
-            out = f"{head}; first difference seen at {self.divergence}"
-            if self.diverged_after is not None:
-                out += (
-                    f"\nthe divergence lies in steps ({self.diverged_after}, "
-                    f"{self.divergence.step}]: no value journaled in between to compare (a "
-                    "journal with every step's loss, as engine writes now, names the step)"
+        elif div is not None and self.first_divergent_step is None:
+            out = f"{head}; first difference seen at {div}"
+            if after is not None and self.losses_matched is not None:
+                steps = div.step - after
+                which = (
+                    f"all {steps} steps {after + 1}..{div.step}"
+                    if self.losses_matched == steps
+                    else f"{self.losses_matched} of the {steps} steps {after + 1}..{div.step} "
+                    "(the others have none journaled)"
                 )
-        elif self.divergence is not None:
-            out = f"{head}; first divergence at {self.divergence}"
+                out += (
+                    f"\nthe journaled losses of {which} matched; the state's fingerprint last "
+                    f"matched at step {after}, so the state first differed in steps ({after}, "
+                    f"{div.step}], in values the loss did not show"
+                )
+            elif after is not None:
+                names = " or ".join(sorted(div.values))
+                out += (
+                    f"\nthe divergence lies in steps ({after}, {div.step}]: no {names} journaled "
+                    "in between to compare (a journal with every step's loss, as engine writes "
+                    "now, names the step)"
+                )
+        elif div is not None:
+            out = f"{head}; first divergence at {div}"
         else:
             out = f"{head}: bitwise identical ({self.compared} journaled values compared)"
         if self.first_nonfinite_step is not None:
@@ -180,29 +216,41 @@ class ReplayReport:
 
 
 class _Diverged(Exception):
-    def __init__(self, divergence: Divergence, after: int | None) -> None:
+    def __init__(
+        self, divergence: Divergence, after: int | None, losses_matched: int | None = None
+    ) -> None:
         super().__init__(str(divergence))
         self.divergence = divergence
         self.after = after
+        self.losses_matched = losses_matched
 
     @classmethod
     def at(
-        cls, state: TrainState, diffs: dict[str, tuple[Any, Any]], after: int | None
+        cls,
+        state: TrainState,
+        diffs: dict[str, tuple[Any, Any]],
+        after: int | None,
+        line: int | None = None,
+        losses_matched: int | None = None,
     ) -> _Diverged:
         """The replay differs from the journal at ``state``'s position, in ``diffs``."""
-        return cls(Divergence(state.step, state.epoch, state.batch_idx, diffs), after=after)
+        divergence = Divergence(state.step, state.epoch, state.batch_idx, diffs, line=line)
+        return cls(divergence, after=after, losses_matched=losses_matched)
 
 
-def _check_fingerprint(state: TrainState, journaled: str) -> None:
-    """Raise :class:`_Diverged` unless ``state`` has the ``journaled`` fingerprint (a state
-    that matches vouches for itself: no step before it is to blame)."""
-    actual = _fingerprint(state, journaled)
-    if actual != journaled:
-        raise _Diverged.at(state, {"fingerprint": (journaled, actual)}, after=None)
+class _WrongStart(Exception):
+    """The checkpoint the replay started from does not hold its journaled state."""
+
+    def __init__(self, journaled: str, actual: str) -> None:
+        super().__init__(f"fingerprint {actual}, journaled {journaled}")
 
 
 def _key(step: int, epoch: int, batch_idx: int, micro_step: int) -> tuple[int, int, int, int]:
     return step, epoch, batch_idx, micro_step
+
+
+def _state_key(state: TrainState) -> tuple[int, int, int, int]:
+    return _key(state.step, state.epoch, state.batch_idx, state.micro_step)
 
 
 def _line_key(line: Mapping[str, Any]) -> tuple[int, int, int, int]:
@@ -210,48 +258,88 @@ def _line_key(line: Mapping[str, Any]) -> tuple[int, int, int, int]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
+    if isinstance(a, int | float) and isinstance(b, int | float):
         # bitwise for floats as JSON carries them; NaN equals NaN here
-        return a == b or (math.isnan(a) and math.isnan(b))
+        return bool(a == b) or (math.isnan(a) and math.isnan(b))
     return bool(a == b)
 
 
+def _in_range(key: tuple[int, int, int, int], start: tuple[int, int, int, int], to: int) -> bool:
+    """Whether a fit passes ``key`` after ``start`` and by the end of step ``to`` (positions
+    of step ``to`` with a micro-batch index belong to the window of step ``to + 1``)."""
+    return start < key and (key[0] < to or (key[0] == to and key[3] == 0))
+
+
+_COMPARED = ("loss", "lr", "fingerprint")
+
+
 class _Checker(Listener):
-    """Compares the replayed run with the journal as it goes; records losses."""
+    """Compares the replayed run with the journal as it goes; records losses.
+
+    Each journaled loss of a replayed step (a line's ``losses``) is compared when that step ends;
+    each line of a replayed position holding a loss, learning rate or fingerprint when the replay
+    passes its position, and a line whose position the replay passed without reaching it is a
+    difference too, so no journaled value of the replayed steps goes unchecked.
+    """
 
     def __init__(
         self,
-        expected: dict[tuple[int, int, int, int], list[dict[str, Any]]],
+        journal: _Lines,
+        lines: list[dict[str, Any]],
         start_line: dict[str, Any],
+        to_step: int,
         span: tuple[int, int],
         detect_anomaly: bool = False,
     ) -> None:
-        self.expected = expected
-        self.step_losses = _step_losses(expected, start_line["step"])
+        self.journal = journal
         self.start_line = start_line
+        start, start_step = _line_key(start_line), int(start_line["step"])
+        # each replayed step's journaled losses, with their line numbers
+        self.step_losses: dict[int, list[tuple[float, int]]] = {}
+        # the lines to compare at their position, by position, in the order a fit passes them
+        self.pending: dict[tuple[int, int, int, int], list[dict[str, Any]]] = {}
+        for line in lines:
+            if "transition" in line:  # applied again by _Transitions, not compared
+                continue
+            losses = line.get("losses")
+            if isinstance(losses, list):
+                first = line["step"] - len(losses) + 1
+                for step, value in enumerate(losses, start=first):
+                    if start_step < step <= to_step:
+                        self.step_losses.setdefault(step, []).append((value, journal.number(line)))
+            key = _line_key(line)
+            if any(k in line for k in _COMPARED) and _in_range(key, start, to_step):
+                self.pending.setdefault(key, []).append(line)
+        self.pending = dict(sorted(self.pending.items()))
         self.span = span
         self.detect_anomaly = detect_anomaly
         self.compared = 0
         self.steps = 0
         self.current = 0  # the step being executed
         self.losses: dict[int, float] = {}
+        self.positions: dict[tuple[int, int], tuple[int, int]] = {}  # (step, micro) -> (e, b)
+        self.loss_steps: set[int] = set()  # steps whose journaled loss matched
         self.first_nonfinite: int | None = None
         self.first_nonfinite_loss: float | None = None
         # for each journaled quantity, the last step at which it matched (a state that matches
         # vouches for all: the replay starts from one)
-        self.matched = dict.fromkeys(("loss", "lr", "fingerprint"), int(start_line["step"]))
+        self.matched = dict.fromkeys(_COMPARED, start_step)
+        self.transitions: _Transitions | None = None
 
     def on_train_start(self, rec: EventRecord) -> None:
         state = rec.state
         assert state is not None
         journaled = self.start_line.get("fingerprint")
         if journaled is not None:
+            actual = _fingerprint(state, journaled)
+            if actual != journaled:
+                raise _WrongStart(journaled, actual)
             self.compared += 1
-            _check_fingerprint(state, journaled)
 
     def on_train_batch_start(self, rec: EventRecord) -> None:
         assert rec.state is not None
         self.current = rec.state.step + 1
+        self._overdue(rec.state, _state_key(rec.state))
 
     def in_span(self) -> bool:
         """Whether the step being executed is one anomaly detection was asked for."""
@@ -262,39 +350,76 @@ class _Checker(Listener):
         state = rec.state
         assert state is not None
         loss = rec.outputs.get("loss") if isinstance(rec.outputs, Mapping) else None
-        compared: set[str] = set()
-        if loss is not None and self.first_nonfinite is None and state.micro_step:
-            # a micro-batch inside an accumulation window: its step is the one it will end
-            value = float(loss)
-            if not math.isfinite(value):
-                self.first_nonfinite, self.first_nonfinite_loss = state.step + 1, value
+        value = float(loss) if loss is not None else None
+        self.positions[(state.step, state.micro_step)] = (state.epoch, state.batch_idx)
+        if (
+            value is not None
+            and self.first_nonfinite is None
+            and state.micro_step
+            and not math.isfinite(value)
+        ):  # a micro-batch inside an accumulation window: its step is the one it will end
+            self.first_nonfinite, self.first_nonfinite_loss = state.step + 1, value
         if state.micro_step == 0:
             self.steps += 1
-            if loss is not None:
-                value = float(loss)
+            if value is not None:
                 self.losses[state.step] = value
                 if self.first_nonfinite is None and not math.isfinite(value):
                     self.first_nonfinite, self.first_nonfinite_loss = state.step, value
-                for journaled in self.step_losses.get(state.step, ()):
-                    self.compared += 1
-                    if not _same(journaled, value):
-                        raise _Diverged.at(
-                            state, {"loss": (journaled, value)}, after=self.matched["loss"]
-                        )
-                    compared.add("loss")
-        lines = self.expected.get(_key(state.step, state.epoch, state.batch_idx, state.micro_step))
-        fingerprint = None
-        for line in lines or ():
-            diffs: dict[str, tuple[Any, Any]] = {}
-            if "loss" in line and loss is not None:
+            for journaled, number in self.step_losses.pop(state.step, ()):
                 self.compared += 1
-                if not _same(line["loss"], float(loss)):
-                    diffs["loss"] = (line["loss"], float(loss))
+                if value is None or not _same(journaled, value):
+                    after = self.matched["loss"]
+                    raise _Diverged.at(state, {"loss": (journaled, value)}, after, number)
+                self.loss_steps.add(state.step)
+                self.matched["loss"] = state.step
+        self._compare_at(rec, value if state.micro_step == 0 else None)
+
+    def on_train_epoch_start(self, rec: EventRecord) -> None:
+        self._compare_at(rec, None)
+
+    def on_train_epoch_end(self, rec: EventRecord) -> None:
+        self._compare_at(rec, None)
+
+    def on_train_end(self, rec: EventRecord) -> None:
+        state = rec.state
+        assert state is not None
+        self._compare_at(rec, None)
+        self._overdue(state, None)  # nothing is reached after this
+        if self.transitions is not None:
+            self.compared += self.transitions.compared
+            left = self.transitions.unverified(self.journal, _state_key(state))
+            if left is not None:
+                line, why = left
+                number = self.journal.number(line)
+                raise ReplayError(
+                    f"{self.journal.path}: line {number} (step {line['step']}) holds the "
+                    f"fingerprint of a checkpoint saved after a state transition the replay did "
+                    f"not reach ({why})"
+                )
+        for entries in self.step_losses.values():  # every replayed step ended above
+            raise _Diverged.at(
+                state, {"loss": (entries[0][0], None)}, self.matched["loss"], entries[0][1]
+            )
+
+    def _compare_at(self, rec: EventRecord, loss: float | None) -> None:
+        state = rec.state
+        assert state is not None
+        lines = self.pending.pop(_state_key(state), None)
+        if not lines:
+            return
+        compared: set[str] = set()
+        fingerprint = None
+        for line in lines:
+            diffs: dict[str, tuple[Any, Any]] = {}
+            if "loss" in line:
+                self.compared += 1
+                if loss is None or not _same(line["loss"], loss):
+                    diffs["loss"] = (line["loss"], loss)
             if "lr" in line:
                 lr = getattr(rec.run.task, "lr", None)
-                value = float(lr(state.step) if callable(lr) else lr)  # type: ignore[arg-type]
+                value = None if lr is None else float(lr(state.step) if callable(lr) else lr)
                 self.compared += 1
-                if not _same(line["lr"], value):
+                if value is None or not _same(line["lr"], value):
                     diffs["lr"] = (line["lr"], value)
             if "fingerprint" in line:
                 fingerprint = fingerprint or _fingerprint(state, line["fingerprint"])
@@ -304,35 +429,36 @@ class _Checker(Listener):
             if diffs:
                 # each differing quantity first differed after the last step where it matched
                 after = min(self.matched[k] for k in diffs)
-                raise _Diverged.at(state, diffs, after=after)
-            compared.update(k for k in ("lr", "fingerprint") if k in line)
-            if "loss" in line and loss is not None:
-                compared.add("loss")
+                matched = None
+                if set(diffs) == {"fingerprint"}:  # the losses up to it matched
+                    matched = sum(after < s <= state.step for s in self.loss_steps)
+                raise _Diverged.at(state, diffs, after, self.journal.number(line), matched)
+            compared.update(k for k in _COMPARED if k in line)
         if "fingerprint" in compared:  # the state is the journaled one, as at a checkpoint
             compared.update(self.matched)
         for k in compared:
             self.matched[k] = state.step
 
-
-def _step_losses(
-    expected: dict[tuple[int, int, int, int], list[dict[str, Any]]], start_step: int
-) -> dict[int, list[float]]:
-    """Each step's journaled losses (a line's ``losses``: the steps up to the line's), of the
-    steps after ``start_step`` (the checkpoint's)."""
-    out: dict[int, list[float]] = {}
-    for lines in expected.values():
-        for line in lines:
-            losses = line.get("losses")
-            if not isinstance(losses, list):
-                continue  # a line of an engine before per-step losses
-            first = line["step"] - len(losses) + 1
-            for step, value in enumerate(losses, start=first):
-                if step <= start_step:
-                    continue
-                seen = out.setdefault(step, [])
-                if not any(_same(value, v) for v in seen):  # a resumed fit journals it again
-                    seen.append(value)
-    return out
+    def _overdue(self, state: TrainState, now: tuple[int, int, int, int] | None) -> None:
+        """A line of a position the replay has passed (all, with ``now=None``) without
+        reaching it: its position differs from the replay's."""
+        for key, lines in self.pending.items():
+            if now is not None and key >= now:
+                return
+            line = lines[0]
+            step, epoch, batch_idx, micro = key
+            at = self.positions.get((step, micro))
+            diffs: dict[str, tuple[Any, Any]] = {}
+            if at is not None:
+                if epoch != at[0]:
+                    diffs["epoch"] = (epoch, at[0])
+                if batch_idx != at[1]:
+                    diffs["batch_idx"] = (batch_idx, at[1])
+            if not diffs:
+                diffs["position"] = ((epoch, batch_idx, micro), None)
+            replayed_at = at if at is not None else (state.epoch, state.batch_idx)
+            divergence = Divergence(step, *replayed_at, diffs, line=self.journal.number(line))
+            raise _Diverged(divergence, after=None)
 
 
 def _fingerprint(state: TrainState, journaled: Any) -> str:
@@ -343,34 +469,224 @@ def _fingerprint(state: TrainState, journaled: Any) -> str:
     )
 
 
-def _find_checkpoint(root: Path, lines: list[dict[str, Any]], from_step: int) -> tuple[Path, dict]:
-    """The newest verified checkpoint journaled before step ``from_step`` ran."""
+def _checkpoints(
+    root: Path, journal: _Lines, from_step: int, passed: list[str]
+) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The journaled checkpoints taken before step ``from_step`` ran, newest first, each found,
+    verified and holding the position (and, where its metadata records one, the fingerprint)
+    of the journal line naming it. A checkpoint overwritten since (a reused name such as
+    ``last``) is passed over with a warning, and said in ``passed``; the replay checks the
+    fingerprint of the one it starts from and falls back to the next if it differs."""
     candidates = [
-        x for x in lines if isinstance(x.get("checkpoint"), str) and x["step"] < from_step
+        x for x in journal.lines if isinstance(x.get("checkpoint"), str) and x["step"] < from_step
     ]
-    candidates.sort(key=lambda x: (x["step"], x.get("micro_step", 0)), reverse=True)
+    candidates.sort(key=_line_key, reverse=True)
     for line in candidates:
         journaled = Path(line["checkpoint"])
+        where = f"journaled at step {line['step']} (line {journal.number(line)})"
         # the run directory may have moved since: look for the checkpoint beside the journal too
-        for path in (journaled, root / journaled.name, root / "checkpoints" / journaled.name):
-            if (path / checkpoint.META).is_file():
-                try:
-                    if checkpoint.read_meta(path).get("weights_only"):
-                        break  # the model alone: no optimizer state to continue from
-                    checkpoint.verify(path)
-                except checkpoint.CheckpointError as e:
-                    warnings.warn(
-                        f"replay: checkpoint {path} fails verification ({e}); trying an older one",
-                        stacklevel=3,
-                    )
-                    break
-                return path, line
-    listed = sorted({x["step"] for x in candidates})
-    raise ReplayError(
-        f"{root}: no loadable checkpoint taken before step {from_step} (journaled checkpoint "
-        f"steps before it: {listed or 'none'}); replay from a later step, or keep more "
-        "checkpoints (ModelCheckpoint(save_top_k=-1, every_n_train_steps=...))"
+        places = (journaled, root / journaled.name, root / "checkpoints" / journaled.name)
+        for path in dict.fromkeys(places):
+            if not (path / checkpoint.META).is_file():
+                continue
+            try:
+                meta = checkpoint.read_meta(path)
+                if meta.get("weights_only"):
+                    break  # the model alone: no optimizer state to continue from
+                held = _key(
+                    meta.get("step", -1),
+                    meta.get("epoch", -1),
+                    meta.get("batch_idx", -1),
+                    meta.get("micro_step", 0),
+                )
+                recorded, expected = meta.get("fingerprint"), line.get("fingerprint")
+                wrong = None
+                if held != _line_key(line):
+                    wrong = f"it holds step {held[0]} (epoch {held[1]}, batch {held[2]})"
+                elif (
+                    recorded
+                    and expected
+                    and len(recorded) == len(expected)
+                    and recorded != expected
+                ):
+                    wrong = f"fingerprint {recorded}, journaled {expected}"
+                if wrong is not None:
+                    passed.append(f"{path}, {where}: {wrong}")
+                    warnings.warn(_overwritten(path, where, wrong), stacklevel=4)
+                    continue
+                checkpoint.verify(path)
+            except checkpoint.CheckpointError as e:
+                warnings.warn(
+                    f"replay: checkpoint {path} fails verification ({e}); trying an older one",
+                    stacklevel=4,
+                )
+                break
+            yield path, line
+            break
+
+
+def _overwritten(path: Path, where: str, why: str) -> str:
+    return (
+        f"replay: checkpoint {path}, {where}, does not hold the journaled state ({why}): it was "
+        "overwritten since (a reused name such as 'last'); trying an older one"
     )
+
+
+# --------------------------------------------------------------------------- the journal, checked
+
+
+def _order(line: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """A line's position; positions compare in the order a fit passes them (within a step: its
+    batch end, the micro-batches of the next window, the next epoch's start)."""
+    return _line_key(line)
+
+
+class _Lines:
+    """The journal's lines, each checked, with their line numbers and the run's recorded end."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / JOURNAL
+        if not self.path.is_file():
+            raise ReplayError(
+                f"{root} has no {JOURNAL}: not a run directory (a fit writes one unless "
+                "Trainer(enable_journal=False))"
+            )
+        try:
+            numbered = Journal.read_numbered(root)
+        except JournalError as e:
+            raise ReplayError(str(e)) from None
+        if not numbered:
+            raise ReplayError(f"{self.path} is empty: the run journaled no step; nothing to replay")
+        self.lines: list[dict[str, Any]] = []
+        self.numbers: dict[int, int] = {}  # id(line) -> its line number
+        for number, line in numbered:
+            _check_line(self.path, number, line)
+            self.lines.append(line)
+            self.numbers[id(line)] = number
+        self._check_fits()
+        self.last = max(x["step"] for x in self.lines)
+
+    def number(self, line: Mapping[str, Any]) -> int:
+        return self.numbers[id(line)]
+
+    def _check_fits(self) -> None:
+        """Each fit's lines (from its start line to the next) lie within it: not before its
+        start, not past its end line, never further from the lines before them than the fit
+        wrote lines (``every_n_steps``, in its start line)."""
+        start: dict[str, Any] | None = None
+        end: dict[str, Any] | None = None
+        furthest = 0
+        for line in self.lines:
+            step = line["step"]
+            if line.get("start"):
+                start, end, furthest = line, None, step
+                continue
+            where = f"{self.path}: line {self.number(line)} (step {step})"
+            if end is not None and step > end["step"]:
+                raise ReplayError(
+                    f"{where} is past the end of its fit (step {end['step']}, line "
+                    f"{self.number(end)}): the journal was edited; refused"
+                )
+            if line.get("end") and end is not None:
+                raise ReplayError(f"{where}: a second end line for one fit; refused")
+            if start is not None:
+                every = start.get("every_n_steps")
+                if step < start["step"]:
+                    raise ReplayError(
+                        f"{where} is before its fit's start (step {start['step']}, line "
+                        f"{self.number(start)}): the journal was edited; refused"
+                    )
+                if every and step > furthest + every:
+                    raise ReplayError(
+                        f"{where} is {step - furthest} steps after the furthest line before it "
+                        f"(step {furthest}), and its fit wrote a line every {every} steps: the "
+                        "journal was edited; refused"
+                    )
+            furthest = max(furthest, step)
+            if line.get("end"):
+                end = line
+
+
+def _check_line(path: Path, number: int, line: Any) -> None:
+    """Refuse, naming its line number, a line that is not what a journal writes."""
+
+    def bad(what: str) -> ReplayError:
+        return ReplayError(
+            f"{path}: line {number} {what}; the journal is damaged or was edited, and a replay "
+            "cannot vouch for values it cannot read"
+        )
+
+    if not isinstance(line, dict):
+        raise bad(f"is not a JSON object (got {type(line).__name__})")
+
+    def integer(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    def number_(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    for key in ("step", "epoch", "batch_idx"):
+        if not integer(line.get(key)):
+            raise bad(f"has {key}={line.get(key)!r}: pass an integer >= 0")
+    for key in ("micro_step", "transitions", "every_n_steps", "index"):
+        if key in line and not integer(line[key]):
+            raise bad(f"has {key}={line[key]!r}: pass an integer >= 0")
+    for key in ("loss", "lr"):
+        if key in line and not number_(line[key]):
+            raise bad(f"has {key}={line[key]!r}, not a number")
+    if "losses" in line:
+        losses = line["losses"]
+        if not isinstance(losses, list) or not all(number_(v) for v in losses):
+            raise bad(f"has losses={losses!r}, not a list of numbers")
+        if len(losses) > line["step"]:
+            raise bad(f"has {len(losses)} losses, more than the {line['step']} steps up to it")
+    if "skipped" in line and not (
+        isinstance(line["skipped"], list) and all(integer(v) for v in line["skipped"])
+    ):
+        raise bad(f"has skipped={line['skipped']!r}, not a list of steps")
+    if "fingerprint" in line:
+        fp = line["fingerprint"]
+        if not (
+            isinstance(fp, str) and len(fp) in (32, 64) and all(c in "0123456789abcdef" for c in fp)
+        ):
+            raise bad(f"has fingerprint={fp!r}, not 32 or 64 hex digits")
+    if "checkpoint" in line and not (
+        line["checkpoint"] is True or isinstance(line["checkpoint"], str)
+    ):
+        raise bad(f"has checkpoint={line['checkpoint']!r}, not a path")
+    for key in ("start", "end"):
+        if key in line and not isinstance(line[key], bool):
+            raise bad(f"has {key}={line[key]!r}, not true or false")
+    if "transition" in line:
+        for key in ("transition", "cause"):
+            if not (line.get(key) is None or isinstance(line[key], str)):
+                raise bad(f"has {key}={line[key]!r}, not a name")
+        if "function" in line and not isinstance(line["function"], str):
+            raise bad(f"has function={line['function']!r}, not a file name")
+
+
+def _run_file(root: Path, name: Any, what: str) -> Path:
+    """``root / name``, refused unless it is a file of the run directory itself: a plain file
+    name, not a link out of it (pickled code is read from nowhere else, even when trusted)."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or Path(name).name != name
+        or "\\" in name
+    ):
+        raise ReplayError(
+            f"{root / JOURNAL}: {what} names {name!r}, not a file name inside the run directory: "
+            "refused (replay reads a run's code only from its own directory)"
+        )
+    path = root / name
+    real, inside = path.resolve(), root.resolve()
+    if not real.is_relative_to(inside):
+        raise ReplayError(
+            f"{path} leads to {real}, outside the run directory {inside}: refused, even with "
+            "trust_code (replay reads a run's code only from its own directory)"
+        )
+    return path
 
 
 def _untrusted(root: Path) -> UntrustedCodeError:
@@ -398,8 +714,9 @@ def replay(
             one by default).
         from_step: the first optimizer step to re-execute (default: the one after the earliest
             journaled checkpoint). The replay starts at the newest checkpoint taken before it
-            and re-executes (and checks) the steps in between too.
-        to_step: the last step to re-execute (default: the last journaled step).
+            that still holds the state its journal line describes, and re-executes (and checks)
+            the steps in between too.
+        to_step: the last step to re-execute (default: the run's last journaled step, its end).
         trust_code: allow unpickling the run's task, model structure and data (which runs code
             from the run directory). Required.
         detect_anomaly: run steps ``from_step`` .. ``to_step`` under
@@ -416,52 +733,71 @@ def replay(
 
     Raises:
         UntrustedCodeError: without ``trust_code=True``.
-        ReplayError: if the directory is not a replayable run or the steps are out of range.
+        ReplayError: if the directory is not a replayable run, a journal line is malformed or
+            lies outside its fit (named by line number), or the steps are out of range.
         engine.checkpoint.CheckpointError: if the checkpoint does not fit the model.
     """
     root = Path(run_dir)
-    lines = _journal(root)
-    from_step, to_step = _span(lines, from_step, to_step)
-    ckpt, start_line = _find_checkpoint(root, lines, from_step)
+    journal = _Lines(root)
+    from_step, to_step = _span(journal, from_step, to_step)
+    passed: list[str] = []
+    found = _checkpoints(root, journal, from_step, passed)
+    first = next(found, None)
+    if first is None and passed:
+        raise _no_start(root, from_step, passed)
+    if first is None:
+        listed = sorted({x["step"] for x in journal.lines if isinstance(x.get("checkpoint"), str)})
+        listed = [s for s in listed if s < from_step]
+        raise ReplayError(
+            f"{root}: no loadable checkpoint taken before step {from_step} (journaled checkpoint "
+            f"steps before it: {listed or 'none'}); replay from a later step, or keep more "
+            "checkpoints (ModelCheckpoint(save_top_k=-1, every_n_train_steps=...))"
+        )
     if not trust_code:
         raise _untrusted(root)
-    task, template, data, flags = _load_run(root, data)
-    transitions = _Transitions(root, lines, start_line)
-    kept = [x for x in lines if id(x) not in transitions.deferred]
-    checker = _Checker(_expected(kept, start_line, to_step), start_line, (from_step, to_step))
-    outcome = _run_checked(
-        task, template, data, ckpt, flags, [checker, transitions], to_step, detect_anomaly
-    )
-    return ReplayReport(
-        run_dir=str(root),
-        checkpoint=str(ckpt),
-        start_step=int(start_line["step"]),
-        from_step=from_step,
-        to_step=to_step,
-        steps=checker.steps,
-        compared=checker.compared,
-        first_nonfinite_step=checker.first_nonfinite,
-        first_nonfinite_loss=checker.first_nonfinite_loss,
-        losses=dict(checker.losses),
-        **outcome,
-    )
-
-
-def _journal(root: Path) -> list[dict[str, Any]]:
-    if not (root / JOURNAL).is_file():
-        raise ReplayError(
-            f"{root} has no {JOURNAL}: not a run directory (a fit writes one unless "
-            "Trainer(enable_journal=False))"
+    task, model, data, flags = _load_run(root, data)
+    for ckpt, start_line in itertools.chain([first], found):
+        transitions = _Transitions(root, journal, start_line)
+        kept = [x for x in journal.lines if id(x) not in transitions.deferred]
+        checker = _Checker(journal, kept, start_line, to_step, (from_step, to_step))
+        checker.transitions = transitions
+        template = load_skeleton(model, task.tx)
+        try:
+            outcome = _run_checked(
+                task, template, data, ckpt, flags, [checker, transitions], to_step, detect_anomaly
+            )
+        except _WrongStart as e:
+            where = f"journaled at step {start_line['step']} (line {journal.number(start_line)})"
+            passed.append(f"{ckpt}, {where}: {e}")
+            warnings.warn(_overwritten(ckpt, where, str(e)), stacklevel=2)
+            continue
+        return ReplayReport(
+            run_dir=str(root),
+            checkpoint=str(ckpt),
+            start_step=int(start_line["step"]),
+            from_step=from_step,
+            to_step=to_step,
+            steps=checker.steps,
+            compared=checker.compared,
+            first_nonfinite_step=checker.first_nonfinite,
+            first_nonfinite_loss=checker.first_nonfinite_loss,
+            losses=dict(checker.losses),
+            **outcome,
         )
-    return Journal.read(root)
+    raise _no_start(root, from_step, passed)
 
 
-def _span(
-    lines: list[dict[str, Any]], from_step: int | None, to_step: int | None
-) -> tuple[int, int]:
+def _no_start(root: Path, from_step: int, passed: list[str]) -> ReplayError:
+    return ReplayError(
+        f"{root}: no journaled checkpoint before step {from_step} holds the state its journal "
+        f"line describes ({'; '.join(passed)}); they were overwritten or replaced since the run"
+    )
+
+
+def _span(journal: _Lines, from_step: int | None, to_step: int | None) -> tuple[int, int]:
     """The steps to re-execute: checked, with the defaults filled in."""
-    last = max(x["step"] for x in lines)
-    checkpointed = [x["step"] for x in lines if isinstance(x.get("checkpoint"), str)]
+    last = journal.last
+    checkpointed = [x["step"] for x in journal.lines if isinstance(x.get("checkpoint"), str)]
     if from_step is None:
         from_step = (min(checkpointed) if checkpointed else 0) + 1
     if to_step is None:
@@ -473,36 +809,43 @@ def _span(
         raise ReplayError(f"to_step={to_step} is before from_step={from_step}")
     if to_step > last:
         raise ReplayError(
-            f"to_step={to_step} is past the journal's last step ({last}); nothing to compare"
+            f"to_step={to_step} is past the journal's last step ({last}, where the run ended); "
+            "nothing to compare"
         )
     return from_step, to_step
 
 
-def _load_run(root: Path, data: Any) -> tuple[Any, TrainState, Any, dict[str, Any]]:
-    """Unpickle the task, the model's structure and the data (runs code: trusted runs only);
-    read the flags that decide what a step computes."""
+def _load_run(root: Path, data: Any) -> tuple[Any, bytes, Any, dict[str, Any]]:
+    """Unpickle the task and the data (runs code: trusted runs only) and read the model's
+    pickled structure; read the flags that decide what a step computes."""
     for name in (TASK, MODEL):
         if not (root / name).is_file():
             raise ReplayError(
                 f"{root / name} is missing: the run was journaled with Journal(replayable=False) "
                 "or its task could not be pickled (see the warning of that run)"
             )
-    task = loads_code((root / TASK).read_bytes())
+    task = loads_code(_run_file(root, TASK, "the task").read_bytes())
     if task.tx is None:
         raise ReplayError(
             f"{root / TASK}: the task has a step_fn and no tx, so the optimizer state's "
             "structure cannot be rebuilt; give Task(step_fn=..., tx=...) to replay its runs"
         )
-    template = load_skeleton((root / MODEL).read_bytes(), task.tx)
+    model = _run_file(root, MODEL, "the model").read_bytes()
+    load_skeleton(model, task.tx)  # fails here, before any step, if it cannot be rebuilt
     if data is None:
         if not (root / DATA).is_file():
             raise ReplayError(
                 f"{root / DATA} is missing (the data source did not pickle, or was larger than "
                 "Journal(max_data_bytes=...)); pass the training data as replay(..., data=...)"
             )
-        data = loads_code((root / DATA).read_bytes())
-    config = json.loads((root / CONFIG).read_text()) if (root / CONFIG).is_file() else {}
-    return task, template, data, _flags(config)
+        data = loads_code(_run_file(root, DATA, "the data").read_bytes())
+    config_path = root / CONFIG
+    config = (
+        json.loads(_run_file(root, CONFIG, "the config").read_text())
+        if config_path.is_file()
+        else {}
+    )
+    return task, model, data, _flags(config)
 
 
 def _flags(config: dict[str, Any]) -> dict[str, Any]:
@@ -527,22 +870,6 @@ def _flags(config: dict[str, Any]) -> dict[str, Any]:
     return flags
 
 
-def _expected(
-    lines: list[dict[str, Any]], start_line: dict[str, Any], to_step: int
-) -> dict[tuple[int, int, int, int], list[dict[str, Any]]]:
-    """The values to compare: every journal line of a step the replay executes, by position."""
-    expected: dict[tuple[int, int, int, int], list[dict[str, Any]]] = {}
-    start_key = (start_line["step"], start_line.get("micro_step", 0))
-    for line in lines:
-        if (line["step"], line.get("micro_step", 0)) <= start_key or line["step"] > to_step:
-            continue
-        if "transition" in line:  # applied again by _Transitions, not compared
-            continue
-        key = _key(line["step"], line["epoch"], line["batch_idx"], line.get("micro_step", 0))
-        expected.setdefault(key, []).append(line)
-    return expected
-
-
 # the events a replay emits in place of those a transition was asked for in that it does not
 # emit (it skips validation): the last event of the same batch, before the next step
 _REPLAYED_AT = {
@@ -563,14 +890,16 @@ class _Transitions(Listener):
     in a later event of that batch) are applied when the replay starts.
     """
 
-    def __init__(self, root: Path, lines: list[dict[str, Any]], start_line: dict[str, Any]) -> None:
+    def __init__(self, root: Path, journal: _Lines, start_line: dict[str, Any]) -> None:
+        lines = journal.lines
         position = _key(
             start_line["step"],
             start_line["epoch"],
             start_line["batch_idx"],
             start_line.get("micro_step", 0),
         )
-        after = lines.index(start_line) + 1
+        after = next(i for i, x in enumerate(lines) if x is start_line) + 1
+        self.compared = 0  # fingerprints compared (of checkpoints saved after a transition)
         self.at_start: list[Transition] = []
         self.pending: dict[tuple[str, tuple[int, int, int, int]], list[Transition]] = {}
         # checkpoints saved right after a transition at their position: their fingerprints are
@@ -592,11 +921,12 @@ class _Transitions(Listener):
                 continue
             if "function" not in line:
                 raise ReplayError(
-                    f"{root / JOURNAL}: the state transition {line['transition']!r} at step "
-                    f"{line['step']} was not saved (its function did not pickle): this run "
-                    "cannot be replayed past it"
+                    f"{root / JOURNAL}: line {journal.number(line)}: the state transition "
+                    f"{line['transition']!r} at step {line['step']} was not saved (its function "
+                    "did not pickle): this run cannot be replayed past it"
                 )
-            pickled = root / line["function"]
+            what = f"line {journal.number(line)}, the state transition {line['transition']!r},"
+            pickled = _run_file(root, line["function"], what)
             if not pickled.is_file():
                 raise ReplayError(
                     f"{pickled} is missing: the journal's state transition "
@@ -610,7 +940,8 @@ class _Transitions(Listener):
             if key == position:
                 self.at_start.append(request)
                 continue
-            event = _REPLAYED_AT.get(line["cause"], line["cause"])
+            cause = str(line.get("cause"))
+            event = _REPLAYED_AT.get(cause, cause)
             self.pending.setdefault((event, key), []).append(request)
 
     def on_train_start(self, rec: EventRecord) -> list[Transition]:
@@ -621,7 +952,23 @@ class _Transitions(Listener):
         state = rec.state
         assert state is not None
         for line in self.verify.pop(id(rec.transition), ()):
-            _check_fingerprint(state, line["fingerprint"])
+            self.compared += 1
+            actual = _fingerprint(state, line["fingerprint"])
+            if actual != line["fingerprint"]:
+                diffs = {"fingerprint": (line["fingerprint"], actual)}
+                raise _Diverged.at(state, diffs, after=None)
+
+    def unverified(
+        self, journal: _Lines, now: tuple[int, int, int, int]
+    ) -> tuple[dict[str, Any], str] | None:
+        """A line of a checkpoint saved after a transition at a position the replay passed
+        (by ``now``, where it ended) whose fingerprint was never compared, and why."""
+        for lines in self.verify.values():
+            for line in lines:
+                key = _line_key(line)
+                if key <= now:
+                    return line, "the transition was not applied at its position"
+        return None
 
     def _due(self, rec: EventRecord) -> list[Transition] | None:
         state = rec.state
@@ -680,6 +1027,7 @@ def _run_checked(
         except _Diverged as e:
             outcome["divergence"] = e.divergence
             outcome["diverged_after"] = e.after
+            outcome["losses_matched"] = e.losses_matched
             if e.after is not None and e.after == e.divergence.step - 1:
                 outcome["first_divergent_step"] = e.divergence.step
         except RuntimeError as e:

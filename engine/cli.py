@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import sys
 import traceback
@@ -103,7 +104,7 @@ def _fail(message: str) -> int:
 def _check_run_dir(root: Path) -> None:
     """Refuse, naming the problem, a path that is not a readable run directory or whose journal
     is damaged (replay itself would fail on it with a less precise error)."""
-    from engine.listeners.journal import JOURNAL
+    from engine.listeners.journal import JOURNAL, Journal
 
     if not root.exists():
         raise ValueError(f"{root}: no such directory; pass a run directory (it holds {JOURNAL})")
@@ -112,24 +113,14 @@ def _check_run_dir(root: Path) -> None:
     journal = root / JOURNAL
     if not journal.is_file():
         return  # replay says what a run directory is
-    text = journal.read_bytes()
-    entries = 0
-    for number, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            line = json.loads(raw)
-        except ValueError as e:  # not UTF-8 or not JSON
-            raise ValueError(
-                f"{journal}: line {number} is not a JSON object ({e}); the journal is damaged "
-                "(a run killed mid-write leaves at most its last line incomplete: remove it)"
-            ) from None
+    # a line that is not JSON raises, naming it (an incomplete last line is left out, warned)
+    numbered = Journal.read_numbered(root)
+    for number, line in numbered:
         if not isinstance(line, dict) or not isinstance(line.get("step"), int):
             raise ValueError(
                 f"{journal}: line {number} has no integer 'step'; the journal is damaged"
             )
-        entries += 1
-    if entries == 0:
+    if not numbered:
         raise ValueError(f"{journal} is empty: the run journaled no step; nothing to replay")
 
 
@@ -182,6 +173,10 @@ def _demo(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``engine`` command; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    # the user's modules in the current directory import, as under `python -m engine` (or
+    # `python script.py` from there): the `engine` script's own directory is .venv/bin
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if argv and argv[0] in STAGES:  # their own parser: config files and --KEY=VALUE overrides
         from engine._cli_config import run
 

@@ -53,9 +53,11 @@ def test_journal_lines_hold_the_steps_loss_lr_and_fingerprint(tmp_path):
     _trainer(tmp_path, max_epochs=2, callbacks=[journal, seen]).fit(
         task, task.init(nn.Linear(3, 1)), _data()
     )
-    start, *lines = Journal.read(tmp_path / "run")
+    start, *lines, end = Journal.read(tmp_path / "run")
     assert start["start"] and start["step"] == 0 and "loss" not in start
     assert [x["step"] for x in lines] == [2, 4, 6, 8, 10]
+    # the fit's last line: its final step and state (step 10 had its line: no losses left)
+    assert end["end"] and end["step"] == 10 and "losses" not in end
     for line in lines:
         assert line["loss"] == seen.losses[line["step"]]
         assert line["lr"] == optim.cosine_decay(0.1, 20)(line["step"])
@@ -110,13 +112,16 @@ def test_checkpoints_are_journaled_with_a_fingerprint_and_a_resume_appends(tmp_p
         (0, str(tmp_path / "run" / "start-step=0"), True),
         (3, ckpt, False),
         (5, False, False),
+        (5, False, False),  # the fit's end
         (3, ckpt, True),  # the resumed fit starts from the checkpoint at step 3
         (5, False, False),  # and re-journals step 5
         (10, False, False),
+        (10, False, False),  # its end
     ]
-    assert lines[1]["fingerprint"] == saver.fingerprint == lines[3]["fingerprint"]
+    assert [x.get("end", False) for x in lines] == [False] * 3 + [True] + [False] * 3 + [True]
+    assert lines[1]["fingerprint"] == saver.fingerprint == lines[4]["fingerprint"]
     assert "fingerprint" not in lines[2]
-    assert lines[2]["loss"] == lines[4]["loss"]  # the resumed step 5 is the same step 5
+    assert lines[2]["loss"] == lines[5]["loss"]  # the resumed step 5 is the same step 5
 
 
 class _SaveAsyncAt(eg.Listener):
@@ -155,7 +160,7 @@ def test_an_asynchronous_checkpoint_is_journaled_once_on_disk_with_the_writers_f
     _trainer(tmp_path, max_epochs=1, callbacks=[journal, saver]).fit(
         task, task.init(nn.Linear(3, 1)), _data()
     )
-    lines = [x for x in Journal.read(tmp_path / "run") if not x.get("start")]
+    lines = [x for x in Journal.read(tmp_path / "run") if "checkpoint" in x and not x.get("start")]
     # step 4's write failed: no line points at a checkpoint that is not there
     assert [(x["step"], x["checkpoint"]) for x in lines] == [
         (2, str(tmp_path / "s2")),
@@ -208,7 +213,7 @@ def test_async_saves_to_one_path_are_journaled_each_with_its_own_fingerprint(tmp
         enable_checkpointing=True,
         callbacks=[journal, seen, SlowValidation(), mc],
     ).fit(task, task.init(nn.Linear(3, 1)), _data(), _data()[:1])
-    lines = [x for x in Journal.read(tmp_path / "run") if not x.get("start")]
+    lines = [x for x in Journal.read(tmp_path / "run") if "checkpoint" in x and not x.get("start")]
     assert [x["step"] for x in lines] == list(range(1, 11))
     for line in lines:
         assert line["fingerprint"] == seen.fingerprints[line["step"]], line["step"]

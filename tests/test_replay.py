@@ -120,7 +120,7 @@ def test_a_journal_with_sha256_fingerprints_still_replays_and_is_checked(tmp_pat
     template = _task().init(_model(), seed=7)
     rewritten = 0
     for line in lines:
-        if "fingerprint" in line:
+        if "fingerprint" in line and "checkpoint" in line:  # (the end line's stays xxh3)
             state = eg.checkpoint.load(line["checkpoint"], template)
             assert line["fingerprint"] == state.fingerprint()
             line["fingerprint"] = state.fingerprint("sha256")

@@ -21,6 +21,8 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import os
@@ -29,14 +31,14 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import torch
 
 from engine import checkpoint
 from engine.events import EventRecord, Listener, RunView, Save
 
-__all__ = ["Journal"]
+__all__ = ["Journal", "JournalError", "JournalWriteError"]
 
 JOURNAL, CONFIG, TASK, MODEL, DATA = (
     "journal.jsonl",
@@ -45,6 +47,16 @@ JOURNAL, CONFIG, TASK, MODEL, DATA = (
     "model.pkl",
     "data.pkl",
 )
+
+
+class JournalError(ValueError):
+    """The journal is damaged: a line (not the last, which an interrupted write may leave
+    incomplete) that is not a JSON object."""
+
+
+class JournalWriteError(OSError):
+    """A file of the run directory could not be written (a full disk, say); the journal keeps
+    the lines written before, whole."""
 
 
 class Journal(Listener):
@@ -114,7 +126,9 @@ class Journal(Listener):
         self.fingerprint_every_n_steps = fingerprint_every_n_steps
         self.replayable = replayable
         self.max_data_bytes = max_data_bytes
-        self._file: IO[str] | None = None
+        self._file: IO[bytes] | None = None
+        self._size = 0  # the journal's length: whole lines only
+        self._last: tuple[Any, Any] | None = None  # the last optimizer step's record and loss
         self._last_step = -1
         # the loss tensors of the optimizer steps since the last line, and the step of the last
         self._losses: deque[Any] = deque()
@@ -146,8 +160,9 @@ class Journal(Listener):
         self._transitions = len(list(root.glob("transition-*.pkl")))
         if run.config is not None:
             text = json.dumps(run.config.to_json(), indent=2, sort_keys=True)
-            (root / CONFIG).write_text(text)
-        self._file = open(root / JOURNAL, "a")  # noqa: SIM115 - open for the whole fit
+            _write_file(root / CONFIG, text.encode())
+        self._file = _open_whole(root / JOURNAL)
+        self._size = os.fstat(self._file.fileno()).st_size
         if not self.replayable or rec.state is None:
             return None
         from engine._pickling import dump_skeleton, dumps_code
@@ -165,12 +180,18 @@ class Journal(Listener):
             # a one-off: no later save of this journal reuses the snapshot's host memory, which
             # is freed at the next batch (the driver takes the snapshot after this event)
             self._release = True
-        self._put(
-            self._line(
-                rec, loss=None, fingerprint=True, checkpoint=os.path.abspath(start), start=True
-            )
+        line = self._line(
+            rec, loss=None, fingerprint=True, checkpoint=os.path.abspath(start), start=True
         )
+        line["every_n_steps"] = self.every_n_steps  # a line at least this often: replay checks
+        self._put(line)
         return save
+
+    def on_train_end(self, rec: EventRecord) -> None:
+        """The fit's last line, ``"end": true``: its final step, with the losses of the steps
+        since the last line and the final state's fingerprint (unless
+        ``fingerprint_every_n_steps=0``). Replay is bounded by it."""
+        self._end(rec, fingerprint=bool(self.fingerprint_every_n_steps))
 
     def on_train_batch_end(self, rec: EventRecord) -> None:
         if self._release:
@@ -290,8 +311,36 @@ class Journal(Listener):
         self._close()
 
     def on_exception(self, rec: EventRecord) -> None:
-        self._write_landed(wait=True)
-        self._close()
+        try:
+            # where the fit stopped (no fingerprint: the step that failed may have consumed it)
+            self._end(rec, fingerprint=False, error=type(rec.exception).__name__)
+            self._write_landed(wait=True)
+        except Exception as e:  # the fit's own error is the one to see
+            warnings.warn(f"Journal: the fit's last lines were not written ({e})", stacklevel=2)
+        finally:
+            try:
+                self._close()
+            except OSError as e:
+                warnings.warn(str(e), stacklevel=2)
+
+    def _end(self, rec: EventRecord, *, fingerprint: bool, error: str | None = None) -> None:
+        state = rec.state
+        if self._file is None or state is None:
+            return
+        line: dict[str, Any] = {"step": state.step, "epoch": state.epoch}
+        line["batch_idx"], line["end"] = state.batch_idx, True
+        if state.micro_step:
+            line["micro_step"] = state.micro_step
+        taken = self._take(state.step)
+        if taken is not None:  # the steps since the last line
+            line["losses"], skips = taken
+            if skips:
+                line["skipped"] = skips
+        if error is not None:
+            line["error"] = error
+        elif fingerprint:
+            line["fingerprint"] = state.fingerprint()
+        self._put(line)
 
     # ------------------------------------------------------------------ writing and reading
 
@@ -330,9 +379,20 @@ class Journal(Listener):
         return line
 
     def _put(self, line: dict[str, Any]) -> None:
-        assert self._file is not None
-        self._file.write(json.dumps(line) + "\n")
-        self._file.flush()
+        """Append ``line`` whole: one write of the line and its newline; a write that fails
+        (a full disk) is cut back to the lines before it and raises :class:`JournalWriteError`."""
+        assert self._file is not None and self.dirpath is not None
+        data = (json.dumps(line) + "\n").encode()
+        fd = self._file.fileno()
+        written = 0
+        try:
+            while written < len(data):  # a short write (a filling disk) is continued, or fails
+                written += os.write(fd, data[written:])
+        except OSError as e:
+            with contextlib.suppress(OSError):  # no torn line: the journal ends whole
+                os.ftruncate(fd, self._size)
+            _refuse_write(self.dirpath / JOURNAL, e, f"its line of step {line.get('step')}")
+        self._size += written
 
     def _write_landed(self, *, wait: bool) -> None:
         """Write the lines of the asynchronous checkpoints that are on disk (all of them, once
@@ -348,10 +408,14 @@ class Journal(Listener):
 
     def _close(self) -> None:
         if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                os.fsync(file.fileno())
+            except OSError as e:
+                assert self.dirpath is not None
+                _refuse_write(self.dirpath / JOURNAL, e, "its last lines (fsync)")
+            finally:
+                file.close()
 
     @staticmethod
     def _dump(path: Path, what: str, dumps: Any) -> None:
@@ -376,15 +440,100 @@ class Journal(Listener):
                 stacklevel=2,
             )
             return
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(payload)
-        os.replace(tmp, path)
+        _write_file(path, payload)
 
     @staticmethod
     def read(dirpath: str | os.PathLike[str]) -> list[dict[str, Any]]:
-        """The journal's lines, in order."""
-        with open(Path(dirpath) / JOURNAL) as f:
-            return [json.loads(line) for line in f if line.strip()]
+        """The journal's lines, in order.
+
+        A last line cut short (a fit killed while writing it, or an engine before whole-line
+        writes on a full disk) is an interrupted write: it is left out, with a warning naming
+        it. Any other line that is not a JSON object raises :class:`JournalError` naming its
+        line number.
+        """
+        return [line for _, line in Journal.read_numbered(dirpath)]
+
+    @staticmethod
+    def read_numbered(dirpath: str | os.PathLike[str]) -> list[tuple[int, Any]]:
+        """:meth:`read`, each line with its line number (from 1) in ``journal.jsonl``. A line
+        is any JSON value here (a reader checks that each is an object)."""
+        path = Path(dirpath) / JOURNAL
+        raw = path.read_bytes()
+        rows = raw.split(b"\n")
+        out: list[tuple[int, Any]] = []
+        for number, row in enumerate(rows, 1):
+            if not row.strip():
+                continue
+            try:
+                out.append((number, json.loads(row.decode())))
+            except ValueError as e:  # not UTF-8, or not JSON
+                if number == len(rows):  # no newline after it: a write that was interrupted
+                    warnings.warn(
+                        f"{path}: line {number}, the last, is incomplete ({len(row)} bytes "
+                        "without their newline: a write interrupted by a killed fit or a full "
+                        "disk); it is left out",
+                        stacklevel=3,
+                    )
+                    break
+                raise JournalError(
+                    f"{path}: line {number} is not a JSON object ({e}); the journal is damaged "
+                    "(only its last line can be left incomplete, by an interrupted write)"
+                ) from None
+        return out
+
+
+def _refuse_write(path: Path, error: OSError, what: str) -> NoReturn:
+    """Raise :class:`JournalWriteError` for a failed write of ``what`` to ``path``."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        cause = "the disk is full (no space left on its file system)"
+        todo = "free space, then resume the fit from its last checkpoint"
+    else:
+        cause = f"{error.strerror or error}"
+        todo = "make it writable, or pass Trainer(enable_journal=False)"
+    raise JournalWriteError(
+        error.errno,
+        f"Journal: writing {what} to {path} failed: {cause}; the journal holds its lines up to "
+        f"the one before, whole. {todo[0].upper()}{todo[1:]}",
+    ) from error
+
+
+def _write_file(path: Path, payload: bytes) -> None:
+    """Write ``path`` whole or not at all (a temporary file, then renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_bytes(payload)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        _refuse_write(path, e, f"{len(payload)} bytes")
+
+
+def _open_whole(path: Path) -> IO[bytes]:
+    """Open the journal to append whole lines; an incomplete last line (a killed fit's) is cut
+    off first, with a warning, so the lines appended do not follow a torn one."""
+    try:
+        file = open(path, "a+b", buffering=0)  # noqa: SIM115 - open for the whole fit
+        size = os.fstat(file.fileno()).st_size
+        if size:
+            file.seek(max(0, size - 1))
+            if file.read(1) != b"\n":
+                file.seek(0)
+                raw = file.read()
+                end = raw.rfind(b"\n") + 1
+                try:
+                    json.loads(raw[end:].decode())
+                    os.write(file.fileno(), b"\n")  # whole, without its newline
+                except ValueError:
+                    number = raw.count(b"\n") + 1
+                    warnings.warn(
+                        f"{path}: line {number}, the last, is incomplete (an interrupted "
+                        "write); it is removed before this fit appends",
+                        stacklevel=4,
+                    )
+                    os.ftruncate(file.fileno(), end)
+    except OSError as e:
+        _refuse_write(path, e, "its first line")
+    return file
 
 
 def _run_dir(run: RunView) -> Path:
