@@ -237,6 +237,9 @@ class _HashingWriter(io.RawIOBase):
                     self.owned[storage.data_ptr()] = whole.numpy().data
         self.hasher = _ChunkHasher()
         self.on_first_write: Callable[[], None] | None = None
+        # the first error of a write to ``raw``: torch.save reports it as a RuntimeError of its
+        # own ("unexpected pos"), which does not say that the disk is full
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
@@ -252,7 +255,11 @@ class _HashingWriter(io.RawIOBase):
             self.on_first_write()
             self.on_first_write = None
         with memoryview(b) as view, view.cast("B") as data:
-            self.raw.write(data)
+            try:
+                self.raw.write(data)
+            except OSError as e:
+                self.error = self.error or e
+                raise
             n = len(data)
             owned = self._view_of_owned(data)
             self.hasher.feed(bytes(data) if owned is None else owned, copied=owned is None)

@@ -17,12 +17,19 @@ fixed (``"\\n}\\n"``). A changed, missing or added byte anywhere in the file fai
 whitespace included. Reading checks the format and version first (so that a newer file says
 "upgrade engine"), then the schema (so that a hand-edited value is named with its key and the
 type expected), then the checksum.
+
+``files`` names each data file with its checksum. A name must be a plain file name (no
+separator, no ``..``, not absolute: a checkpoint names only its own files), and from format
+version 5 ``sizes`` records each file's size in bytes, so that a file of another size is refused
+before it is hashed. Older versions have no ``sizes``: they still load, their files' names
+checked, their sizes not.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,7 +40,7 @@ from engine.errors import CheckpointError
 
 __all__: list[str] = []
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5  # 5: the size of each data file ("sizes")
 CHECKSUM_KEY = "meta_checksum"
 _HASH = "xxh3-128"
 
@@ -131,6 +138,14 @@ def decode(raw: bytes, path: Path) -> dict[str, Any]:
                 f"{path}: {where!r} must be {expected} (got {_shown(meta, key, problem)}); the "
                 "file is damaged or was edited"
             )
+    for name in meta["files"]:  # before anything opens them
+        if not plain_name(name):
+            raise CheckpointError(not_plain(path, name))
+    if "sizes" in meta and set(meta["sizes"]) != set(meta["files"]):
+        raise CheckpointError(
+            f"{path}: 'sizes' must name the files of 'files' ({sorted(meta['files'])}; got "
+            f"{sorted(meta['sizes'])}); the file is damaged or was edited"
+        )
     recorded = meta.pop(CHECKSUM_KEY, None)
     if version >= 4:
         _verify(raw, path, recorded)
@@ -206,6 +221,25 @@ def _files(v: Any) -> Any:
     return _dict_of(_of(str))(v)
 
 
+def plain_name(name: Any) -> bool:
+    """Whether ``name`` names a file directly inside the checkpoint directory: no separator,
+    not ``.`` or ``..``, not absolute, no NUL."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in ("/", "\\", "\0"))
+        and not os.path.isabs(name)
+    )
+
+
+def not_plain(path: Path, name: str) -> str:
+    return (
+        f"{path}: 'files' names {name!r}, which is not a plain file name inside the checkpoint "
+        "directory (no '/', no '..', not absolute); a checkpoint names only its own files: the "
+        "file was edited. Refused without reading it"
+    )
+
+
 _NAT = "an int >= 0"
 _SCALAR = _of(int, float, bool, str, type(None))
 # key: (check, what is expected, the format version that introduced it, required from then on)
@@ -226,5 +260,6 @@ _SCHEMA: dict[str, tuple[Check, str, int, bool]] = {
     "metrics": (_dict_of(_of(int, float)), "an object of numbers", 1, True),
     "extra": (_dict_of(None), "an object", 1, True),
     "files": (_files, 'an object of checksum strings with "tensors.pt"', 1, True),
+    "sizes": (_dict_of(_range(0)), "an object of file sizes (ints >= 0)", 5, True),
     CHECKSUM_KEY: (_of(str), "a checksum string", 4, True),
 }

@@ -75,8 +75,8 @@ class Checkpointer:
     ) -> None:
         self.listeners, self.loggers, self.root = listeners, loggers, root
         self.io = io or checkpoint.CheckpointIO()
-        # asynchronous saves requested by listeners, with the checkpoints each replaces
-        self.in_flight: list[tuple[Future[Any], tuple[str, ...]]] = []
+        # asynchronous saves requested by listeners, until they have landed (see reap)
+        self.in_flight: list[_InFlight] = []
 
     def keyed_listeners(self, *, stateful_only: bool = True) -> list[tuple[str, Any]]:
         """The listeners by key: ``state_key`` or the class name, ``#n`` for the n-th of a key."""
@@ -190,41 +190,53 @@ class Checkpointer:
             return Path(best)
         roots = [Path(x.dirpath) for x in savers if getattr(x, "dirpath", None)]
         roots.append(Path(self.root) / "checkpoints")
-        found = []
-        for root in roots:
-            checkpoint.clean_leftovers(root)
-            if root.is_dir():
-                found += [p for p in root.iterdir() if (p / checkpoint.META).is_file()]
-        ranked, unreadable = [], []
+        found, unreadable = [], []
+        for root in dict.fromkeys(roots):
+            try:
+                checkpoint.clean_leftovers(root)
+                entries = sorted(root.iterdir()) if root.is_dir() else []
+            except OSError as e:  # a directory that cannot be listed: passed over, named
+                unreadable.append(f"{root} ({e.strerror or e})")
+                continue
+            for p in entries:
+                try:
+                    if (p / checkpoint.META).is_file():
+                        found.append(p)
+                except OSError as e:  # cannot be entered (EACCES)
+                    unreadable.append(f"{p} ({e.strerror or e})")
+        ranked = []
         for path in found:
             try:
                 ranked.append((_recency(path), path))
-            except checkpoint.CheckpointError as e:  # its step is not known: it ranks nowhere
+            except (checkpoint.CheckpointError, OSError) as e:  # its step is unknown: unranked
                 unreadable.append(f"{path} ({e})")
-        if unreadable:
-            warnings.warn(
-                'ckpt_path="last": passing over checkpoints whose meta.json fails verification: '
-                + "; ".join(unreadable),
-                stacklevel=3,
-            )
         newest = [path for _, path in sorted(ranked, key=lambda x: x[0], reverse=True)]
-        for i, path in enumerate(newest):
+        chosen = None
+        for path in newest:
             try:
                 checkpoint.verify(path)
-            except checkpoint.CheckpointError:
-                continue  # damaged (meta.json included): the next newest
-            if i:
-                warnings.warn(
-                    f'ckpt_path="last": {newest[0]} fails verification; resuming from the '
-                    f"newest valid checkpoint, {path}",
-                    stacklevel=3,
-                )
-            return path
-        warnings.warn(
-            'ckpt_path="last": no valid checkpoint found; training starts from the given state',
-            stacklevel=3,
-        )
-        return None
+            except (checkpoint.CheckpointError, OSError) as e:  # damaged, or unreadable
+                unreadable.append(f"{path} ({e})")
+                continue
+            chosen = path
+            break
+        if unreadable:
+            warnings.warn(
+                'ckpt_path="last": passing over each checkpoint that cannot be read or fails '
+                "verification: "
+                + "; ".join(unreadable)
+                + (f"; resuming from the newest valid checkpoint, {chosen}" if chosen else ""),
+                stacklevel=3,
+            )
+        if chosen is None:
+            searched = ", ".join(str(r) for r in dict.fromkeys(roots))
+            warnings.warn(
+                f'ckpt_path="last": no valid checkpoint found in {searched} (the directories '
+                "of the ModelCheckpoint listeners and <default_root_dir>/checkpoints); training "
+                "starts from the given state",
+                stacklevel=3,
+            )
+        return chosen
 
     def load(
         self, path: Path, template: TrainState, *, stage: str | None, asked: Any
@@ -309,37 +321,101 @@ class Checkpointer:
         """Carry out a listener's :class:`~engine.events.Save` with ``save`` (the Trainer's
         ``save_checkpoint``): write it, tell the loggers when a ``ModelCheckpoint`` asked
         (Lightning's ``after_save_checkpoint``), and delete what it replaces once it is on disk
-        (an asynchronous one: once it has landed, see :meth:`reap`)."""
-        out = save(
-            request.path, asynchronous=request.asynchronous, weights_only=request.weights_only
-        )
+        (an asynchronous one: once it has landed, see :meth:`reap`).
+
+        The listener hears how the save ended (``checkpoint_settled(path, error)``, where it
+        has that method): a ``ModelCheckpoint`` takes a checkpoint that was not written out of
+        its ranking. A synchronous save that fails raises here, a ``CheckpointError``."""
+        try:
+            out = save(
+                request.path, asynchronous=request.asynchronous, weights_only=request.weights_only
+            )
+        except BaseException as e:
+            _settle(listener, request.path, e)
+            raise
+        if not request.asynchronous:
+            _settle(listener, request.path, None)
         if _is(listener, "ModelCheckpoint"):
             for logger in self.loggers:
                 if callable(getattr(logger, "after_save_checkpoint", None)):
                     logger.after_save_checkpoint(listener)
         saved = os.path.abspath(request.path)
         doomed = tuple(p for p in request.replaces if os.path.abspath(p) != saved)
-        if not doomed:
-            return
         if request.asynchronous:
-            self.in_flight.append((out, doomed))
+            self.in_flight.append(_InFlight(out, os.fspath(request.path), doomed, listener))
         else:
             for path in doomed:
                 self.io.remove(path)
 
-    def reap(self, *, wait: bool) -> None:
-        """Delete the checkpoints replaced by asynchronous saves that have landed (all of them,
-        waiting, with ``wait``), in the order they were asked for; a save that failed or was
-        cancelled leaves what it would have replaced."""
+    def reap(self, *, wait: bool, report: bool = True) -> None:
+        """Settle the asynchronous saves that have ended (all of them, waiting, with ``wait``),
+        in the order they were asked for: delete what a landed one replaces; a save that failed
+        leaves what it would have replaced, and its listener hears of it.
+
+        A failed save raises ``CheckpointError`` naming its path and the cause, once every save
+        still in flight has ended too (the fit stops there: the caller is the driver's check
+        after each event, and the end of the run). With ``report=False`` (an exception is
+        already on its way out) it warns instead.
+        """
+        failed: list[tuple[str, BaseException]] = []
         while self.in_flight:
-            future, doomed = self.in_flight[0]
-            if not wait and not future.done():
+            pending = self.in_flight[0]
+            if not wait and not failed and not pending.future.done():
                 return
             self.in_flight.pop(0)
-            if future.cancelled() or future.exception() is not None:
-                continue
-            for path in doomed:
-                self.io.remove(path)
+            try:
+                pending.future.result()
+                error: BaseException | None = None
+            except CancelledError as e:  # never ran: not a failure of the disk
+                error = e
+            except BaseException as e:
+                error = e
+                failed.append((pending.path, e))
+            _settle(pending.listener, pending.path, error)
+            if error is None:
+                for path in pending.doomed:
+                    self.io.remove(path)
+        if not failed:
+            return
+        path, first = failed[0]
+        more = (
+            f" ({len(failed) - 1} later asynchronous saves failed too: "
+            + ", ".join(p for p, _ in failed[1:])
+            + ")"
+            if len(failed) > 1
+            else ""
+        )
+        message = (
+            f"the asynchronous save of checkpoint {path} failed in the background: {first}"
+            f"{more}. Checkpoints that were not written are out of ModelCheckpoint's ranking "
+            "(best_model_path, last_model_path and best_k_models name only checkpoints on disk)"
+        )
+        if not report:
+            warnings.warn(message, stacklevel=2)
+            return
+        raise checkpoint.CheckpointError(message) from first
+
+    def reap_at_exit(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        """:meth:`reap` as a run's exit callback (``ExitStack.push``): waits, and raises only
+        when no other exception is leaving the run."""
+        self.reap(wait=True, report=exc_type is None)
+        return False
+
+
+class _InFlight(NamedTuple):
+    """An asynchronous save a listener asked for, until :meth:`Checkpointer.reap` settles it."""
+
+    future: Future[Any]
+    path: str
+    doomed: tuple[str, ...]  # the checkpoints it replaces: deleted once it has landed
+    listener: Any
+
+
+def _settle(listener: Any, path: Any, error: BaseException | None) -> None:
+    """Tell ``listener`` how the save of ``path`` it asked for ended."""
+    settled = getattr(listener, "checkpoint_settled", None)
+    if callable(settled):
+        settled(os.fspath(path), error)
 
 
 class SignalCatcher:

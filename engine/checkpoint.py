@@ -21,12 +21,17 @@ versions 1 (one SHA-256 of the whole file) and 2 (SHA-256 over the same chunks) 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import math
 import os
 import shutil
+import socket
 import stat
+import sys
 import tempfile
+import threading
 import time
 import warnings
 import zipfile
@@ -207,23 +212,34 @@ def _replaceable(target: Path) -> None:
 def _write(tensors: Mapping[str, Tensor], meta: Mapping[str, Any], target: Path) -> Path:
     """Write a checkpoint directory atomically and durably (see :func:`save`)."""
     _replaceable(target)
-    with _Claim(target.parent) as claim:
-        tmp, old = claim.path(""), None
-        tmp.mkdir()
+    existed = (target / META).is_file()
+    with contextlib.ExitStack() as held:
         try:
+            claim = held.enter_context(_Claim(target.parent))
+        except OSError as e:  # no room for even its lock file
+            raise _write_failed(target, e, "", existed) from e
+        tmp, old = claim.path(""), None
+        writer, writing = None, TENSORS
+        try:
+            tmp.mkdir()
             with open(tmp / TENSORS, "wb") as raw:
-                f = _HashingWriter(raw, tensors.values())  # hashes in parallel: no re-read
+                writer = _HashingWriter(raw, tensors.values())  # hashes in parallel: no re-read
                 with _NoZipCrc() as no_crc:
-                    f.on_first_write = no_crc.restore
-                    torch.save(dict(tensors), f)  # type: ignore[arg-type]  # a binary file
+                    writer.on_first_write = no_crc.restore
+                    torch.save(dict(tensors), writer)  # type: ignore[arg-type]  # a binary file
                 raw.flush()
                 os.fsync(raw.fileno())  # the last chunks hash meanwhile
-                checksum = f.checksum()
+                checksum = writer.checksum()
+                size = os.fstat(raw.fileno()).st_size
+            writing = META
             with open(tmp / META, "wb") as out:  # with its own checksum (engine/_meta.py)
-                out.write(_meta.encode({**meta, "files": {TENSORS: checksum}}))
+                out.write(
+                    _meta.encode({**meta, "files": {TENSORS: checksum}, "sizes": {TENSORS: size}})
+                )
                 out.flush()
                 os.fsync(out.fileno())
             _fsync_dir(tmp)
+            writing = ""
             if target.exists():
                 # replace: move the old one aside first, under its own name, so that at every
                 # instant one complete checkpoint exists where clean_leftovers finds it (a crash
@@ -242,13 +258,36 @@ def _write(tensors: Mapping[str, Tensor], meta: Mapping[str, Any], target: Path)
                 if not os.path.lexists(target):  # interrupted between the renames: put it back
                     os.replace(old / target.name, target)
                 shutil.rmtree(old, ignore_errors=True)
+            # torch.save reports a failed write as a RuntimeError of its own ("[enforce fail at
+            # inline_container.cc] ... unexpected pos"): the OSError behind it says what failed
+            cause = writer.error if isinstance(e, RuntimeError) and writer is not None else None
             if isinstance(e, OSError):
-                why = "the disk is full" if e.errno == errno.ENOSPC else str(e)
-                raise CheckpointError(
-                    f"could not write checkpoint {target}: {why}; earlier checkpoints are intact"
-                ) from e
+                cause = e
+            if cause is not None:
+                raise _write_failed(target, cause, writing, existed) from cause
             raise
     return target
+
+
+def _write_failed(target: Path, error: OSError, writing: str, existed: bool) -> CheckpointError:
+    """The error of a save that could not write ``target`` (``writing``: the file it was at)."""
+    full = error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    at = f" while writing {writing}" if writing else ""
+    why = f"the disk is full ({error.strerror}{at})" if full else f"{error}{at}"
+    kept = (
+        f"nothing was replaced: the previous checkpoint at {target} is intact"
+        if existed
+        else "nothing was replaced: earlier checkpoints are intact"
+    )
+    todo = (
+        f"free space on the file system of {target.parent}, or save elsewhere"
+        if full
+        else "check that the directory is writable, or save elsewhere"
+    )
+    return CheckpointError(
+        f"could not write checkpoint {target}: {why}; {kept} and the partial files were "
+        f"removed. {todo[0].upper()}{todo[1:]}"
+    )
 
 
 class _Claim:
@@ -500,7 +539,8 @@ def clean_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
     A save writes into a hidden temporary directory beside its target and renames it into place;
     replacing a checkpoint first moves the old one aside, and :func:`remove` renames a
     checkpoint to a hidden name before deleting it. A process that died meanwhile leaves these
-    behind. Those of saves still in progress (in this process or another: each holds a
+    behind, and the lock file (``.engine-run.lock``) of the run that owned the directory.
+    Those of saves still in progress (in this process or another: each holds a
     lock on a file of its own until it ends) are left alone. When a crash came between the two
     renames of a replacement, the name is free and both checkpoints are there: the new one,
     complete, takes the name if it verifies, else the old one is put back.
@@ -515,6 +555,9 @@ def clean_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
             name = p.name[len(_TMP_PREFIX) :]
             kind = next((k for k in (_LOCK, _ASIDE, _DOOMED) if name.startswith(k)), "")
             saves.setdefault(name[len(kind) :], {})[kind] = p
+    stale = _remove_stale_run_lock(root)
+    if stale is not None:
+        removed.append(stale)
     for id_, parts in saves.items():
         if _held(root / f"{_TMP_PREFIX}{_LOCK}{id_}"):
             continue  # a save in progress
@@ -563,6 +606,182 @@ def _held(lock: Path) -> bool:
     finally:
         os.close(fd)  # releases the lock if it was taken
     return False
+
+
+# --------------------------------------------------------------------------- a run's directory
+
+RUN_LOCK = ".engine-run.lock"  # in a checkpoint directory while a run saves there (_RunLock)
+_RUN_LOCKS: dict[str, list[Any]] = {}  # this process's: directory -> [fd, holders, created]
+_RUN_LOCKS_OF = [os.getpid()]  # a forked child holds none of its parent's
+_RUN_LOCKS_GUARD = threading.Lock()
+
+
+class _RunLock:
+    """A live run's claim on a checkpoint directory, so that a second run saving there is
+    refused rather than deleting and overwriting the first one's checkpoints.
+
+    The claim is an ``flock`` on ``<directory>/.engine-run.lock``, a file holding the owner's
+    pid, host and start time (for the refusal's message). The kernel drops the lock when the
+    owner's process dies, so the lock of a dead run is taken over by the next; the file is
+    deleted while the lock is held, on release, and by :func:`clean_leftovers` once its owner is
+    gone (a run that locks the file just deleted sees it is no longer the one at the name, and
+    starts anew). The listeners of one process share its claim (several ``ModelCheckpoint`` of
+    one run may save into one directory). Without ``flock`` (not POSIX) the file alone is the
+    claim, and one naming a dead pid of this host is taken over.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.key: str | None = None
+
+    def acquire(self) -> None:
+        """Claim the directory (created if need be) for this process.
+
+        Raises:
+            CheckpointError: another live process holds it, naming the directory and the owner.
+        """
+        if self.key is not None:
+            return
+        key = os.path.realpath(self.directory)
+        with _RUN_LOCKS_GUARD:
+            if _RUN_LOCKS_OF[0] != os.getpid():
+                _RUN_LOCKS.clear()
+                _RUN_LOCKS_OF[0] = os.getpid()
+            held = _RUN_LOCKS.get(key)
+            if held is None:
+                created = not self.directory.is_dir()
+                try:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise CheckpointError(
+                        f"cannot create the checkpoint directory {self.directory}: {e}"
+                    ) from e
+                held = _RUN_LOCKS[key] = [self._take(), 0, created]
+            held[1] += 1
+        self.key = key
+
+    def release(self) -> None:
+        """Give the claim up (the lock file is deleted once no listener of this process holds
+        it; the directory too if the claim created it and it is empty)."""
+        key, self.key = self.key, None
+        if key is None:
+            return
+        with _RUN_LOCKS_GUARD:
+            held = _RUN_LOCKS.get(key) if _RUN_LOCKS_OF[0] == os.getpid() else None
+            if held is None:
+                return
+            held[1] -= 1
+            if held[1] > 0:
+                return
+            del _RUN_LOCKS[key]
+            fd, _, created = held
+            with contextlib.suppress(OSError):  # while holding it: see the class
+                os.unlink(self.directory / RUN_LOCK)
+            os.close(fd)
+            if created:
+                with contextlib.suppress(OSError):  # not empty: checkpoints were saved
+                    os.rmdir(self.directory)
+
+    def _take(self) -> int:
+        lock = self.directory / RUN_LOCK
+        while True:
+            try:
+                if fcntl is None:
+                    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                    break
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileExistsError:  # without flock: a live owner, or a dead one's file
+                if _owner_alive(lock):
+                    raise CheckpointError(self._refusal(lock)) from None
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lock)
+                continue
+            except OSError as e:
+                raise CheckpointError(
+                    f"cannot create the lock file {lock} of the checkpoint directory: {e}"
+                ) from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise CheckpointError(self._refusal(lock)) from None
+            try:  # unless it was deleted (released, or cleaned) before it was locked: anew
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "argv": sys.argv[:4],
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        return fd
+
+    def _refusal(self, lock: Path) -> str:
+        owner = _read_owner(lock)
+        who = (
+            f"pid {owner.get('pid')} on {owner.get('host')}, since {owner.get('started')}"
+            if owner
+            else "its owner not recorded yet"
+        )
+        return (
+            f"{self.directory} is the checkpoint directory of another live run ({who}; its "
+            f"lock file {lock}). Two runs saving into one directory delete and overwrite each "
+            "other's checkpoints: give this run another dirpath (ModelCheckpoint(dirpath=...)), "
+            "or wait for that run to end (the lock of a run that died is taken over)"
+        )
+
+
+def _read_owner(lock: Path) -> dict[str, Any]:
+    for _ in range(20):  # the owner writes it right after it locks: a moment
+        try:
+            owner = json.loads(lock.read_text())
+            if isinstance(owner, dict):
+                return owner
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.005)
+    return {}
+
+
+def _owner_alive(lock: Path) -> bool:
+    """Without ``flock``: whether the lock file names a live process (one of another host is
+    taken for alive: it cannot be asked)."""
+    owner = _read_owner(lock)
+    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return bool(owner) or os.path.lexists(lock)
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, someone else's
+        return True
+    return True
+
+
+def _remove_stale_run_lock(root: Path) -> Path | None:
+    """Delete the lock file of a run that is gone (see :class:`_RunLock`)."""
+    lock = root / RUN_LOCK
+    if fcntl is None or not os.path.lexists(lock):
+        return None
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.stat(lock).st_ino != os.fstat(fd).st_ino:
+            return None
+        os.unlink(lock)  # while holding it
+        return lock
+    except OSError:  # held: a live run's
+        return None
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------- loading
@@ -631,12 +850,61 @@ def _verified_tensors(
     *,
     materialize: bool = True,
 ) -> dict[str, Tensor]:
+    files = _own_files(path, meta)
+    try:
+        return _read_verified(path, files, devices, materialize)
+    except OSError as e:  # unreadable (no permission, an I/O error): nothing is returned
+        raise CheckpointError(
+            f"{e.filename or path}: cannot be read ({e.strerror or e}); nothing was loaded "
+            "from the checkpoint"
+        ) from e
+
+
+def _own_files(path: Path, meta: Mapping[str, Any]) -> dict[str, str]:
+    """``meta.json``'s ``files`` (name -> checksum), each checked before a byte of it is read:
+    a plain name (``engine/_meta.py`` checks that too), a regular file inside ``path`` (a
+    symbolic link may point only to a file beside it) and, from format version 5, of the size
+    recorded, so that a file swapped for a huge one is refused without hashing it."""
     files = dict(meta.get("files", {}))
     if TENSORS not in files or not all(isinstance(d, str) for d in files.values()):
         raise CheckpointError(f"{path / META}: no valid checksum for {TENSORS}; it is damaged")
+    sizes = meta.get("sizes") or {}
+    inside = os.path.realpath(path)
     for name in files:
-        if not (path / name).is_file():
-            raise CheckpointError(f"{path / name}: missing (the checkpoint is incomplete)")
+        if not _meta.plain_name(name):
+            raise CheckpointError(_meta.not_plain(path / META, name))
+        file = path / name
+        try:
+            st = os.lstat(file)
+            if stat.S_ISLNK(st.st_mode):
+                real = os.path.realpath(file)
+                if os.path.dirname(real) != inside:
+                    raise CheckpointError(
+                        f"{file}: a symbolic link to {real}, outside the checkpoint directory; "
+                        "a checkpoint reads only files of its own: refused (copy the file into "
+                        "the checkpoint if it is one)"
+                    )
+                st = os.stat(file)
+        except FileNotFoundError:
+            raise CheckpointError(f"{file}: missing (the checkpoint is incomplete)") from None
+        except OSError as e:
+            raise CheckpointError(f"{file}: cannot be read ({e.strerror or e})") from e
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{file}: not a regular file; the checkpoint is damaged")
+        if name in sizes and st.st_size != sizes[name]:
+            raise CheckpointError(
+                f"{file}: {st.st_size} bytes, where meta.json records {sizes[name]}; the file is "
+                "truncated, damaged or was replaced (refused before reading it)"
+            )
+    return files
+
+
+def _read_verified(
+    path: Path,
+    files: Mapping[str, str],
+    devices: Mapping[str, torch.device] | None,
+    materialize: bool,
+) -> dict[str, Tensor]:
     # One pass over the bytes, in parallel: this thread maps the file (weights_only=True cannot
     # run code whatever the bytes are) and copies the tensors out of the mapping while the
     # hashing threads checksum the same pages. Nothing is returned before every checksum has
@@ -893,7 +1161,7 @@ def verify(path: str | os.PathLike[str]) -> None:
         ...     checkpoint.verify(path)
         Traceback (most recent call last):
         ...
-        engine.errors.CheckpointError: .../tensors.pt: checksum check failed (...
+        engine.errors.CheckpointError: .../tensors.pt: 7 bytes, where meta.json records ...
     """
     root = Path(path)
     _verified_tensors(root, read_meta(root), materialize=False)

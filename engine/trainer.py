@@ -674,8 +674,8 @@ class Trainer(FlagViews):
         requests = self._emitter.emit(event, record)
         if requests:
             self._carry_out(event, requests)
-        if self._checkpointer.in_flight:
-            self._checkpointer.reap(wait=False)
+        if self._checkpointer.in_flight:  # a failed save raises (not while one is raised)
+            self._checkpointer.reap(wait=False, report=event is not Event.ON_EXCEPTION)
 
     def _carry_out(self, event: Event, requests: list[tuple[Any, Any]]) -> None:
         """The requests the listeners made in ``event``, now that every listener has had it:
@@ -779,7 +779,7 @@ class Trainer(FlagViews):
         # the host copy they keep for the next snapshot (one state's worth of memory) is not
         # kept past the run
         stack.callback(checkpoint.release_buffers)
-        stack.callback(self._checkpointer.reap, wait=True)
+        stack.push(self._checkpointer.reap_at_exit)
         stack.callback(checkpoint.wait)
         with stack:
             self._emit(Event.SETUP)
@@ -791,6 +791,8 @@ class Trainer(FlagViews):
                 if ckpt_path is not None:
                     self._restore(ckpt_path, self._state)
                 yield
+                # the run's last check: an asynchronous save that failed fails the run
+                self._checkpointer.reap(wait=True)
             except BaseException as e:
                 self._emit(Event.ON_EXCEPTION, exception=e)
                 for lg in self.loggers:

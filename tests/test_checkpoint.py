@@ -91,10 +91,12 @@ def test_a_damaged_tensor_file_is_named_with_the_failed_check(tmp_path, damage):
     else:
         data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"tensors\.pt: checksum check failed"):
+    # a file of another size is refused by its size, before it is read
+    failed = "checksum check failed" if damage == "flip" else "bytes, where meta.json records"
+    with pytest.raises(CheckpointError, match=rf"tensors\.pt: .*{failed}"):
         checkpoint.load(path, _template())
     info = checkpoint.inspect(path)
-    assert info["verified"] is False and "checksum check failed" in info["problem"]
+    assert info["verified"] is False and failed in info["problem"]
 
 
 def test_damaged_or_missing_metadata_is_named(tmp_path):
@@ -134,6 +136,7 @@ def test_a_checkpoint_carrying_pickled_code_is_refused_and_nothing_runs(tmp_path
     (path / "tensors.pt").write_bytes(buf.getvalue())
     meta = json.loads((path / "meta.json").read_text())
     meta["files"]["tensors.pt"] = _chunked((path / "tensors.pt").read_bytes())  # a forger would
+    meta["sizes"]["tensors.pt"] = len(buf.getvalue())
     _forge_meta(path, meta)
     with pytest.raises(CheckpointError, match="refused by the safe loader"):
         checkpoint.load(path, _template())
@@ -163,7 +166,9 @@ def test_a_full_disk_raises_clearly_and_keeps_the_previous_checkpoint(tmp_path, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", no_space)
-    with pytest.raises(CheckpointError, match="the disk is full; earlier checkpoints are intact"):
+    with pytest.raises(
+        CheckpointError, match=r"disk is full .*the previous checkpoint at .* intact"
+    ):
         checkpoint.save(_trained(calls=2), tmp_path / "c")
     monkeypatch.undo()
     assert checkpoint.load(tmp_path / "c", _template()).fingerprint() == first.fingerprint()
@@ -260,7 +265,7 @@ def test_an_error_between_the_renames_of_a_replacement_puts_the_old_checkpoint_b
         real(src, dst)
 
     monkeypatch.setattr(os, "replace", failing_replace)
-    with pytest.raises(CheckpointError, match="earlier checkpoints are intact"):
+    with pytest.raises(CheckpointError, match=r"the previous checkpoint at .* is intact"):
         checkpoint.save(_trained(calls=5), tmp_path / "c")
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
@@ -344,8 +349,9 @@ def test_the_checksum_is_the_xxh3_128_of_the_xxh3_128s_of_8_mib_chunks(tmp_path)
     data = (path / "tensors.pt").read_bytes()
     assert len(data) > 8 << 20
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["format_version"] == 4
+    assert meta["format_version"] == 5
     assert meta["files"] == {"tensors.pt": _chunked(data)}
+    assert meta["sizes"] == {"tensors.pt": len(data)}
     # a plain torch file, CRC-32s aside: torch.load reads it without the engine
     plain = torch.load(path / "tensors.pt", weights_only=True)
     assert torch.equal(plain["params/weight"], _big_state().params["weight"])
@@ -396,6 +402,11 @@ def test_a_bit_flip_anywhere_is_found_chunk_by_chunk(tmp_path, monkeypatch, layo
         with pytest.raises(CheckpointError, match=r"tensors\.pt: checksum check failed"):
             checkpoint.load(path, _template())
     f.write_bytes(good[: len(good) - 4096])  # truncated at a chunk boundary
+    with pytest.raises(CheckpointError, match=r"tensors\.pt: \d+ bytes, where meta"):
+        checkpoint.load(path, _template())  # refused by its size first
+    meta = json.loads((path / "meta.json").read_text())  # format 3: no size to refuse it by
+    meta = {k: v for k, v in meta.items() if k not in ("sizes", "meta_checksum")}
+    (path / "meta.json").write_text(json.dumps({**meta, "format_version": 3}))
     with pytest.raises(CheckpointError, match=r"tensors\.pt: checksum check failed"):
         checkpoint.load(path, _template())
 

@@ -4,8 +4,10 @@ refused where it enters, with an error that names the file, the key and what was
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,7 +74,7 @@ def test_meta_json_carries_the_xxh3_128_of_its_own_bytes(tmp_path):
     head, sep, rest = raw.rpartition(b',\n  "meta_checksum": "')
     assert sep and rest == meta["meta_checksum"].encode() + b'"\n}\n'
     assert meta["meta_checksum"] == "xxh3-128:" + xxhash.xxh3_128(head).hexdigest()
-    assert meta["format_version"] == checkpoint.FORMAT_VERSION == 4
+    assert meta["format_version"] == checkpoint.FORMAT_VERSION == 5
 
 
 @pytest.mark.parametrize("bit", [0, 3, 5, 7])
@@ -263,7 +265,7 @@ def test_last_passes_over_a_checkpoint_whose_meta_json_is_damaged(tmp_path):
     with pytest.raises(CheckpointError):
         checkpoint.verify(newest)
     saver = eg.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1)
-    with pytest.warns(UserWarning, match=r"passing over checkpoints whose meta\.json fails"):
+    with pytest.warns(UserWarning, match=r"passing over each checkpoint .* fails verification"):
         state = eg.Trainer(max_epochs=2, callbacks=[saver], **QUIET).fit(
             task, task.init(nn.Linear(3, 1)), data, ckpt_path="last"
         )
@@ -289,3 +291,99 @@ def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "project"]
     (tmp_path / "empty").mkdir()  # an empty directory is replaced, as a checkpoint would be
     assert checkpoint.verify(checkpoint.save(_state(), tmp_path / "empty")) is None
+
+
+# ----------------------------------------------------------------- a checkpoint's own files
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../secret.txt", "sub/tensors.pt", "..", ""])
+def test_meta_json_naming_a_file_outside_the_checkpoint_is_refused_re_signed_or_not(tmp_path, name):
+    from engine._checksum import _checksum
+
+    path = _saved(tmp_path)
+    (tmp_path / "secret.txt").write_text("not yours")
+    (path / "sub").mkdir()
+    (path / "sub" / "tensors.pt").write_bytes((path / "tensors.pt").read_bytes())
+    target = (path / name).resolve() if name else path
+    meta = json.loads((path / "meta.json").read_text())
+    sizes = meta.setdefault("sizes", {})
+    if target.is_file():  # what a forger writes: the file's true checksum and size
+        meta["files"][name] = _checksum(target)
+        sizes[name] = target.stat().st_size
+    else:
+        meta["files"][name] = meta["files"]["tensors.pt"]
+        sizes[name] = sizes.get("tensors.pt", 0)
+    _forge(path, meta)
+    for read in (
+        checkpoint.read_meta,
+        checkpoint.verify,
+        lambda p: checkpoint.load(p, _template()),
+    ):
+        with pytest.raises(CheckpointError, match="not a plain file name inside the checkpoint"):
+            read(path)
+
+
+def _sparse(path: Path, size: int = 20 << 30) -> Path:
+    with open(path, "wb") as f:
+        f.truncate(size)  # a hole: no disk space, but 20 GiB to read and hash
+    return path
+
+
+def test_a_tensors_pt_linked_to_a_file_outside_the_checkpoint_is_refused(tmp_path):
+    path = _saved(tmp_path)
+    outside = tmp_path / "elsewhere.pt"
+    os.replace(path / "tensors.pt", outside)  # the right bytes, but not the checkpoint's
+    (path / "tensors.pt").symlink_to(outside)
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        checkpoint.load(path, _template())
+    (path / "tensors.pt").unlink()
+    (path / "tensors.pt").symlink_to(_sparse(tmp_path / "huge"))
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        checkpoint.verify(path)
+    assert time.monotonic() - started < 2
+    (path / "tensors.pt").unlink()
+    os.replace(outside, path / "inside.pt")
+    (path / "tensors.pt").symlink_to("inside.pt")  # a link within the checkpoint is its own
+    assert checkpoint.load(path, _template()).fingerprint() == _state().fingerprint()
+
+
+def test_a_file_of_another_size_is_refused_before_it_is_hashed(tmp_path):
+    path = _saved(tmp_path)
+    size = (path / "tensors.pt").stat().st_size
+    assert checkpoint.read_meta(path)["sizes"] == {"tensors.pt": size}
+    good = (path / "tensors.pt").read_bytes()
+    _sparse(path / "tensors.pt")  # a 20 GiB file in its place
+    started = time.monotonic()
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{21474836480} bytes, where meta\.json records "
+        rf"{size}; .* \(refused before reading it\)",
+    ):
+        checkpoint.load(path, _template())
+    assert time.monotonic() - started < 2  # hashing it took 45 s
+    (path / "tensors.pt").write_bytes(good[:-1])
+    with pytest.raises(CheckpointError, match=rf"{size - 1} bytes, where meta\.json records"):
+        checkpoint.verify(path)
+
+
+def test_a_format_4_checkpoint_without_sizes_still_loads_its_names_checked(tmp_path):
+    path = _saved(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["sizes"]
+    meta["format_version"] = 4
+    _forge(path, meta)
+    assert checkpoint.load(path, _template()).fingerprint() == _state().fingerprint()
+    meta["files"]["../secret.txt"] = meta["files"]["tensors.pt"]
+    _forge(path, meta)
+    with pytest.raises(CheckpointError, match="not a plain file name"):
+        checkpoint.read_meta(path)
+    del meta["files"]["../secret.txt"]
+    meta["format_version"] = 5  # from version 5 the sizes must be there
+    _forge(path, meta)
+    with pytest.raises(CheckpointError, match="'sizes' is missing"):
+        checkpoint.read_meta(path)
+    meta["sizes"] = {"tensors.pt": 1, "other": 2}
+    _forge(path, meta)
+    with pytest.raises(CheckpointError, match="'sizes' must name the files of 'files'"):
+        checkpoint.read_meta(path)

@@ -528,9 +528,12 @@ def test_a_failed_asynchronous_save_keeps_the_checkpoint_it_would_replace(tmp_pa
         return failed
 
     monkeypatch.setattr(checkpoint, "save_async", flaky)
-    _fit(tmp_path, [mc], max_epochs=4, enable_journal=False)
-    # saves 3 and 4 failed: the second epoch's checkpoint was not deleted for them
+    with pytest.raises(checkpoint.CheckpointError, match=r"asynchronous save .*disk full"):
+        _fit(tmp_path, [mc], max_epochs=4, enable_journal=False)  # a failed save fails the fit
+    # save 3 (and 4, if the fit got there before it heard) failed: the second epoch's
+    # checkpoint was not deleted for them, and it is the one the listener names
     assert _on_disk(mc) == {_name(1, 2 * N_BATCHES)}
+    assert mc.best_model_path == os.path.join(mc.dirpath, _name(1, 2 * N_BATCHES))
 
 
 def test_a_fit_start_cleans_what_a_crashed_save_left_in_dirpath(tmp_path):

@@ -221,6 +221,10 @@ class ModelCheckpoint(Listener):
         self._defer_until_validation = False
         self._validated = False  # a validation has run in this fit: a missing monitor is an error
         self._warned_missing = False
+        # the saves asked for and not yet settled (written, or failed), by path, in order: what
+        # each changed in the bookkeeping, to undo if it fails (checkpoint_settled)
+        self._unsettled: dict[str, list[tuple[str, str, float | None]]] = {}
+        self._lock: checkpoint._RunLock | None = None  # this fit's claim on dirpath
 
     @property
     def state_key(self) -> str:
@@ -256,9 +260,80 @@ class ModelCheckpoint(Listener):
             )
 
     def on_fit_start(self, rec: EventRecord) -> None:
+        """Claim ``dirpath`` for this run (see :func:`checkpoint._RunLock`): a second live run
+        saving there is refused before its first step, naming the run that owns it."""
         self._validated = False
         self._defer_until_validation = False
         self._pending_saves, self._pending_removals = [], []  # left by a failed fit
+        self._unsettled = {}
+        if self.dirpath is not None and not self._outside_fit(rec) and self._saves():
+            lock = checkpoint._RunLock(self.dirpath)
+            try:
+                lock.acquire()
+            except checkpoint.CheckpointError as e:
+                raise checkpoint.CheckpointError(f"ModelCheckpoint: {e}") from None
+            self._lock = lock
+
+    def teardown(self, rec: EventRecord) -> None:
+        self._release()
+
+    def on_exception(self, rec: EventRecord) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            checkpoint.wait()  # its pending writes land in the directory while it is claimed
+            self._lock.release()
+            self._lock = None
+
+    def _saves(self) -> bool:
+        return self.save_top_k != 0 or bool(self.save_last)
+
+    def checkpoint_settled(self, path: str, error: BaseException | None) -> None:
+        """The driver says how a save this listener asked for ended: written (``error`` is
+        ``None``), or not. A checkpoint that was not written leaves the bookkeeping: the
+        ranking, ``best_model_path`` and ``last_model_path`` go back to the checkpoints on disk
+        (the one it would have replaced is still there: it is deleted only once its
+        replacement has landed)."""
+        changes = self._unsettled.get(path)
+        if not changes:
+            return
+        change = changes.pop(0)
+        if not changes:
+            del self._unsettled[path]
+        if error is None:
+            return
+        kind, before, score = change
+        if kind == "top_k":
+            self.best_k_models.pop(path, None)
+            k = self.save_top_k
+            room = before == path or k == -1 or len(self.best_k_models) < k
+            if before and score is not None and room and _on_disk(before):
+                self.best_k_models[before] = score
+            self._rank()
+        elif kind == "latest" and self.best_model_path == path:
+            self.best_model_path = before if before and _on_disk(before) else ""
+        elif kind == "last" and self.last_model_path == path:
+            self.last_model_path = before if before and _on_disk(before) else ""
+
+    def _rank(self) -> None:
+        """``best_model_path`` / ``best_model_score`` and the k-th from ``best_k_models``."""
+        worst, best = (max, min) if self.mode == "min" else (min, max)
+        scores = self.best_k_models
+        if scores and (self.save_top_k == -1 or len(scores) == self.save_top_k):
+            self.kth_best_model_path = worst(scores, key=scores.__getitem__)
+            self.kth_value = scores[self.kth_best_model_path]
+        else:
+            self.kth_best_model_path = ""
+            self.kth_value = math.inf if self.mode == "min" else -math.inf
+        if scores:
+            self.best_model_path = best(scores, key=scores.__getitem__)
+            self.best_model_score = scores[self.best_model_path]
+        else:
+            self.best_model_path, self.best_model_score = "", None
+
+    def _asked(self, path: str, kind: str, before: str, score: float | None = None) -> None:
+        self._unsettled.setdefault(path, []).append((kind, before, score))
 
     def on_load_checkpoint(self, rec: EventRecord) -> None:
         """A checkpoint from an older engine does not say when this listener last saved: take
@@ -266,6 +341,30 @@ class ModelCheckpoint(Listener):
         if rec.stage == "fit" and not self._restored_last_saved:
             self._last_global_step_saved = rec.run.global_step
         self._restored_last_saved = False
+        if rec.stage == "fit":
+            self._forget_missing()
+
+    def _forget_missing(self) -> None:
+        """Leave out of the restored ranking the checkpoints no longer on disk (a save that
+        failed after the checkpoint resumed from was written, or one deleted by hand)."""
+        gone = sorted(p for p in self.best_k_models if not _on_disk(p))
+        for path in gone:
+            del self.best_k_models[path]
+        if gone:
+            self._rank()
+        for name in ("best_model_path", "last_model_path"):
+            path = getattr(self, name)
+            if path and not _on_disk(path):
+                gone.append(path)
+                setattr(self, name, "")
+        if not gone:
+            return
+        warnings.warn(
+            f"ModelCheckpoint: the checkpoint resumed from names checkpoints that are not on "
+            f"disk ({', '.join(gone)}); they are left out of the ranking",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def on_train_start(self, rec: EventRecord) -> None:
         self._last_time_checked = time.monotonic()
@@ -426,10 +525,10 @@ class ModelCheckpoint(Listener):
         self, rec: EventRecord, current: float, candidates: dict[str, Any]
     ) -> None:
         k = len(self.best_k_models) + 1 if self.save_top_k == -1 else self.save_top_k
-        dropped = None
+        dropped, dropped_score = None, None
         if len(self.best_k_models) == k:
             dropped = self.kth_best_model_path
-            del self.best_k_models[dropped]
+            dropped_score = self.best_k_models.pop(dropped)
         if math.isnan(current):
             current = math.inf if self.mode == "min" else -math.inf  # NaN ranks last
         path = self._free_name(candidates, keep=dropped)
@@ -448,6 +547,7 @@ class ModelCheckpoint(Listener):
                 f"saving {path} as top {k}"
             )
         self._save(rec, path)
+        self._asked(path, "top_k", dropped or "", dropped_score)
         if dropped:
             self._pending_removals.append((dropped, path))
 
@@ -455,6 +555,7 @@ class ModelCheckpoint(Listener):
         path = self._free_name(candidates, keep=self.best_model_path)
         previous, self.best_model_path = self.best_model_path, path
         self._save(rec, path)
+        self._asked(path, "latest", previous)
         if self.verbose:
             write_message(f"Epoch {candidates['epoch']}, global step {candidates['step']}: {path}")
         if self.save_top_k == 1 and previous:
@@ -468,6 +569,7 @@ class ModelCheckpoint(Listener):
         )
         previous, self.last_model_path = self.last_model_path, path
         self._save(rec, path)
+        self._asked(path, "last", previous)
         if previous:
             self._pending_removals.append((previous, path))
 
@@ -643,7 +745,11 @@ def _non_empty_dir(path: str) -> bool:
     if not os.path.isdir(path):
         return False
     with os.scandir(path) as entries:  # closed at once (no ResourceWarning)
-        return any(True for _ in entries)
+        return any(e.name != checkpoint.RUN_LOCK for e in entries)
+
+
+def _on_disk(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, checkpoint.META))
 
 
 def _opt_float(value: Any) -> float | None:
