@@ -122,9 +122,11 @@ def test_no_checkpoint_holding_its_journaled_state_is_an_error_not_a_divergence(
     start = Path(trainer.run_dir) / "start-step=0"
     shutil.rmtree(start)
     shutil.copytree(Path(other.run_dir) / "start-step=0", start)
-    with pytest.warns(UserWarning, match="does not hold the journaled state"):
-        with pytest.raises(eg.ReplayError, match="no journaled checkpoint before step 1 holds"):
-            eg.replay(trainer.run_dir, trust_code=True)
+    with (
+        pytest.warns(UserWarning, match="does not hold the journaled state"),
+        pytest.raises(eg.ReplayError, match="no journaled checkpoint before step 1 holds"),
+    ):
+        eg.replay(trainer.run_dir, trust_code=True)
 
 
 # --------------------------------------------------------------------------- every value compared

@@ -311,6 +311,10 @@ class Journal(Listener):
         self._close()
 
     def on_exception(self, rec: EventRecord) -> None:
+        if isinstance(rec.exception, JournalWriteError):  # the disk refused: nothing more
+            with contextlib.suppress(OSError):
+                self._close()
+            return
         try:
             # where the fit stopped (no fingerprint: the step that failed may have consumed it)
             self._end(rec, fingerprint=False, error=type(rec.exception).__name__)
