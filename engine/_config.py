@@ -482,10 +482,12 @@ def missing_attribute(owner: str, name: str) -> AttributeError:
 
 
 def warn_hyperparams_in_dtype(tx: Any, opt_state: Any, params: Mapping[str, Any], why: str) -> None:
-    """Warn, by name, about each optimizer hyperparameter that is not zero but rounds to zero
-    in the parameters' dtype (``eps=1e-8`` in float16: where a gradient is zero, Adam's
-    update is 0 / 0 = NaN, as ``torch.optim.AdamW`` on a ``.half()`` model gives). ``why``
-    says where the dtype comes from (the precision flag)."""
+    """Warn, by name, about each optimizer ``eps`` (the guard of a denominator) that is not
+    zero but rounds to zero in the parameters' dtype (``eps=1e-8`` in float16: where a
+    gradient is zero, Adam's update is 0 / 0 = NaN, as ``torch.optim.AdamW`` on a ``.half()``
+    model gives). The values are the optimizers' recorded arguments (``tx.recipe``) and the
+    injected ones in ``opt_state``; ``why`` says where the dtype comes from (the precision
+    flag)."""
     import warnings
 
     from engine.optim import get_hyperparams, recipes
@@ -498,7 +500,11 @@ def warn_hyperparams_in_dtype(tx: Any, opt_state: Any, params: Mapping[str, Any]
         found += [("inject_hyperparams", k, v) for k, v in get_hyperparams(opt_state).items()]
     seen = set()
     for name, key, value in found:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+        # a denominator's guard keeps x / (sqrt(v) + eps) finite where v is 0: rounded to zero
+        # it turns that into 0 / 0 (the other hyperparameters scale values; not checked)
+        if "eps" not in key or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if value == 0:
             continue
         for dtype in dtypes:
             if torch.tensor(float(value), dtype=dtype).item() != 0.0 or (key, value) in seen:
@@ -509,8 +515,6 @@ def warn_hyperparams_in_dtype(tx: Any, opt_state: Any, params: Mapping[str, Any]
                 "where a gradient is zero the update is 0 / 0 = NaN on the foreach path "
                 "(torch.optim's default, optim's fused=False, compile=True), as "
                 "torch.optim on a model cast with .half() gives"
-                if key == "eps"
-                else "the optimizer computes with 0 in its place"
             )
             warnings.warn(
                 f"optim.{name}({key}={value!r}): {value!r} is 0 in {dtype} ({why}): {effect}. "

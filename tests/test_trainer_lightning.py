@@ -537,3 +537,16 @@ def test_a_per_step_plateau_resumes_bitwise_from_a_check_waiting_for_its_validat
     resumed = run([], ckpt_path=tmp_path / "c")
     assert optim.get_hyperparams(whole.opt_state)["lr"] < 0.1
     assert resumed.fingerprint() == whole.fingerprint()
+
+
+def test_the_migration_guide_shows_a_listener_running_the_model_in_eval_mode():
+    """docs/lightning.md is doctested: its example of Lightning's ``pl_module(x)`` in a
+    callback (a prediction step on ``rec.state``) runs there; here, that it is there."""
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "lightning.md").read_text()
+    blocks = guide.split("```python")[1:]
+    (example,) = [b for b in blocks if "class Sample(eg.Listener)" in b]
+    assert "eg.predict_step(" in example and "rec.state" in example
+    assert "watched.fingerprint() == unwatched.fingerprint()" in example
+    assert 'total_steps="auto"' in guide and "estimated_stepping_batches" in guide
