@@ -29,6 +29,7 @@ import torch
 from engine import checkpoint, loop, optim, transforms
 from engine._config import FlagViews, missing_attribute, warn_hyperparams_in_dtype
 from engine._profiling import Profiler
+from engine._writable import check_writable
 from engine._resume import Checkpointer, RunRecord, SignalCatcher, _is
 from engine.data import (
     batch_size,
@@ -438,6 +439,29 @@ class Trainer(FlagViews):
         self.callback_metrics.update(metrics)
         self._version += 1
 
+    def _claim_directories(self) -> None:
+        """At fit start: check that every directory the run writes can be written (each named
+        with the flag that set it), then claim the loggers' run directories (``claim()``: a
+        version another process took meanwhile is not shared), before the listeners read
+        ``log_dir``. The directories are what the loggers and listeners say (``log_dir``,
+        ``dirpath``), and ``default_root_dir`` when any of them may write under it."""
+        found: list[tuple[str, str]] = []
+        for lg in self.loggers:
+            if getattr(lg, "log_dir", None):
+                where = getattr(lg, "save_dir", lg.log_dir)
+                found.append((str(lg.log_dir), f"{type(lg).__name__}(save_dir={where!r})"))
+        for listener in self.callbacks:
+            if getattr(listener, "dirpath", None) is not None:
+                flag = f"{type(listener).__name__}(dirpath={os.fspath(listener.dirpath)!r})"
+                found.append((os.fspath(listener.dirpath), flag))
+        if self.loggers or any(hasattr(x, "dirpath") for x in self.callbacks):
+            root = self.default_root_dir
+            found.insert(0, (root, f"Trainer(default_root_dir={root!r})"))
+        check_writable(found)
+        for lg in self.loggers:
+            if callable(getattr(lg, "claim", None)):
+                lg.claim()
+
     def _row_step(self) -> int:
         """The step a row of the run's own is logged at: Lightning's (its loop's
         ``_batches_that_stepped``), the optimizer steps taken *before* the current batch's
@@ -831,6 +855,7 @@ class Trainer(FlagViews):
                 ``ModelCheckpoint`` listener). ``state`` then gives only the structure (model and
                 optimizer); every value comes from the checkpoint.
         """
+        self._claim_directories()  # before any work: a directory that cannot be written says so
         if datamodule is None and is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
         if datamodule is not None:  # Lightning's protocol: before its loaders are asked for

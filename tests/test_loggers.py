@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import json
 import math
 import os
 import struct
@@ -346,10 +347,214 @@ def test_several_loggers_receive_the_same_metrics(tmp_path):
     fit.fit()
     for lg in loggers:
         lg.finalize("success")
-    assert _scalars(loggers[0].log_dir)["lr"] == [(0, 1.0), (1, 0.5), (2, 0.25)]
+    assert _scalars(loggers[0].log_dir)["lr-SGD"] == [(0, 1.0), (1, 0.5), (2, 0.25)]
     header, rows = _csv_rows(loggers[1].metrics_file)
-    assert header == ["step", "lr"]
-    assert [(int(r["step"]), float(r["lr"])) for r in rows] == [(0, 1.0), (1, 0.5), (2, 0.25)]
+    assert header == ["step", "lr-SGD"]
+    expected = [(0, 1.0), (1, 0.5), (2, 0.25)]
+    assert [(int(r["step"]), float(r["lr-SGD"])) for r in rows] == expected
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loggers[1].finalize("success")  # a second finalize is harmless
+
+
+# ---------------------------------------------------------------------- full disks
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A directory on a real 64 KiB tmpfs (skipped where this machine refuses ``mount``)."""
+    import subprocess
+
+    where = tmp_path / "disk"
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def _fill(where, leave: int) -> None:
+    """Fill the file system of ``where`` but for about ``leave`` bytes."""
+    filler = where / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    os.truncate(filler, max(0, os.path.getsize(filler) - leave))
+
+
+def _read(path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _parsed(path):
+    """Every line of a metrics.csv, parsed; each must have the header's cells (none torn)."""
+    with open(path, newline="") as f:
+        text = f.read()
+    assert text.endswith("\n"), text[-80:]
+    rows = list(csv.reader(text.splitlines()))
+    assert all(len(r) == len(rows[0]) for r in rows), rows
+    return rows
+
+
+def test_csv_on_a_full_disk_says_so_and_keeps_whole_rows(small_disk):
+    lg = CSVLogger(small_disk, flush_logs_every_n_steps=1)
+    lg.log_metrics({"train/loss": 0.5}, step=0)
+    _fill(small_disk, leave=4096)
+    with pytest.raises(OSError, match=r"metrics\.csv: the disk is full") as caught:
+        for step in range(1, 10_000):
+            lg.log_metrics({"train/loss": 1.0 / step, "pad": 1e300 * step}, step=step)
+    assert str(lg.metrics_file) in str(caught.value)
+    rows = _parsed(lg.metrics_file)
+    assert rows[0] == ["step", "pad", "train/loss"]
+    assert [int(r[0]) for r in rows[1:]] == list(range(len(rows) - 1))  # written rows kept
+    os.remove(small_disk / "filler")  # space again: the buffered rows are written next time
+    lg.save()
+    assert len(_parsed(lg.metrics_file)) > len(rows)
+
+
+class _FailingFile:
+    """A text file whose write writes half its text, then fails as a full disk does."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, text):
+        self.f.write(text[: len(text) // 2])
+        self.f.flush()
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def _failing_open(monkeypatch, when):
+    """``open`` in the loggers failing (``_FailingFile``) for files ``when(path)`` says."""
+    import builtins
+
+    import engine.loggers.base as base
+
+    def fake(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)  # noqa: SIM115 (closed by its user)
+        return _FailingFile(f) if "r" not in mode and when(str(path)) else f
+
+    monkeypatch.setattr(base, "open", fake, raising=False)
+
+
+@pytest.mark.parametrize("wider", [False, True], ids=["append", "rewrite-wider-header"])
+def test_csv_write_failing_midway_leaves_what_was_written(tmp_path, monkeypatch, wider):
+    lg = CSVLogger(tmp_path, flush_logs_every_n_steps=1)
+    lg.log_metrics({"a": 1.0}, step=0)
+    lg.log_metrics({"a": 2.0}, step=1)
+    before = _read(lg.metrics_file)
+    _failing_open(monkeypatch, lambda path: "metrics.csv" in path)
+    with pytest.raises(OSError, match=r"could not write .*metrics\.csv: the disk is full"):
+        lg.log_metrics({"a": 3.0, **({"b": 4.0} if wider else {})}, step=2)
+    assert _read(lg.metrics_file) == before  # no torn line, nothing lost
+    assert os.listdir(lg.log_dir) == ["metrics.csv"]  # no temporary file left
+    monkeypatch.undo()
+    lg.save()  # the row is still buffered: written once the disk has room
+    assert [r[0] for r in _parsed(lg.metrics_file)[1:]] == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("cls", [CSVLogger, TensorBoardLogger])
+def test_hparams_yaml_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch, cls):
+    lg = cls(tmp_path)
+    lg.log_hyperparams({"lr": 0.1})
+    path = os.path.join(lg.log_dir, "hparams.yaml")
+    before = _read(path)
+    _failing_open(monkeypatch, lambda p: "hparams.yaml" in p)
+    with pytest.raises(OSError, match=r"hparams\.yaml: the disk is full"):
+        lg.log_hyperparams({"lr": 0.2, "model": "wide"})
+    assert _read(path) == before
+    assert not os.path.exists(path + ".tmp")
+    lg.finalize("success")
+
+
+# ---------------------------------------------------------------------- two runs at once
+
+
+def test_a_version_another_process_took_meanwhile_is_not_shared(tmp_path):
+    pair = [CSVLogger(tmp_path), TensorBoardLogger(tmp_path)]  # both chose version_0
+    assert [lg.version for lg in pair] == [0, 0]
+    os.makedirs(tmp_path / "lightning_logs" / "version_0")  # ... and another run took it
+    assert pair[0].claim().endswith("version_1")
+    assert pair[1].claim().endswith("version_1")  # loggers of one run still share theirs
+    for lg in pair:
+        lg.log_metrics({"a": 1.0}, step=0)
+        lg.finalize("success")
+    assert sorted(os.listdir(tmp_path / "lightning_logs" / "version_0")) == []
+    assert "metrics.csv" in os.listdir(pair[0].log_dir)
+    explicit = CSVLogger(tmp_path, version=0)  # a version asked for is the one used
+    assert explicit.claim().endswith("version_0")
+
+
+_CONCURRENT_FIT = """
+import os, sys, time, torch
+import torch.nn.functional as F
+import engine as eg
+from engine import optim
+from engine.loggers import CSVLogger
+
+root, me = sys.argv[1], sys.argv[2]
+task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1), hparams={"me": me})
+trainer = eg.Trainer(
+    max_epochs=1, logger=CSVLogger(root), default_root_dir=root, log_every_n_steps=1,
+    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+)
+open(os.path.join(root, f"ready-{me}"), "w").close()  # both built: both chose version_0
+while not all(os.path.exists(os.path.join(root, f"ready-{p}")) for p in ("a", "b")):
+    time.sleep(0.01)
+data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(5)]
+trainer.fit(task, task.init(torch.nn.Linear(2, 1)), data)
+print(trainer.loggers[0].version)
+"""
+
+
+def test_two_processes_fitting_at_once_get_their_own_versions(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "fit.py"
+    script.write_text(_CONCURRENT_FIT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path), me],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for me in ("a", "b")
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    assert sorted(int(out.split()[-1]) for out, _ in outs) == [0, 1]
+    owners = []
+    for version in ("version_0", "version_1"):
+        run = tmp_path / "lightning_logs" / version
+        rows = _parsed(run / "metrics.csv")
+        step, loss = rows[0].index("step"), rows[0].index("train/loss")
+        # one run's rows, not two interleaved
+        assert [r[step] for r in rows[1:] if r[loss]] == ["0", "1", "2", "3", "4"]
+        (owner,) = [ln for ln in _read(run / "hparams.yaml").splitlines() if ln.startswith("me:")]
+        owners.append(owner)
+        # the journal is in the run's own directory too: one run's lines
+        lines = [json.loads(ln) for ln in _read(run / "journal.jsonl").splitlines()]
+        steps = [line["step"] for line in lines if "loss" in line]
+        assert steps == [1, 2, 3, 4, 5], steps
+        assert all(version in line["checkpoint"] for line in lines if "checkpoint" in line)
+    assert sorted(owners) == ['me: "a"', 'me: "b"']

@@ -7,19 +7,35 @@ interface (Lightning's ``Logger``): ``name``, ``version``, ``log_dir``, ``log_me
 
 Run directories follow Lightning's layout, ``save_dir/name/version_N``: ``version=None`` takes the
 next free ``N``, an int gives ``version_N`` and a string is used as the directory name as is.
-The version is fixed when the logger is built, so loggers built together (a TensorBoard and a CSV
-logger, say) share one run directory.
+The version is chosen when the logger is built, so loggers built together (a TensorBoard and a CSV
+logger, say) share one run directory. A ``version=None`` directory is *claimed* when the run starts
+(or at the logger's first write): ``os.mkdir`` of ``version_N``, which only one process can
+succeed at; a process that finds it taken by another takes the next free ``N``, so two runs
+started at once into one directory never share a version (loggers of one process that chose the
+same ``N`` still share it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import threading
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Logger", "flatten_params", "next_version", "to_yaml"]
+from engine._writable import explain
+
+__all__ = [
+    "Logger",
+    "append_whole",
+    "claim_version",
+    "flatten_params",
+    "next_version",
+    "to_yaml",
+    "write_atomically",
+]
 
 
 class Logger:
@@ -61,6 +77,7 @@ class Logger:
         self._save_dir = os.fspath(save_dir)
         self._name = name or ""
         root = os.path.join(self._save_dir, self._name)
+        auto = version is None
         if version is None:
             version = next_version(root)
         elif isinstance(version, bool) or not isinstance(version, (int, str)):
@@ -73,6 +90,27 @@ class Logger:
         elif isinstance(version, str) and not version:
             raise ValueError("version must not be an empty string; pass None or an int instead")
         self._version: int | str = version
+        self._claimed = not auto  # an explicit version is the user's: used as it is
+
+    def claim(self) -> str:
+        """Create this run's directory, atomically: a ``version=None`` logger whose
+        ``version_N`` another process took meanwhile takes the next free one. Returns
+        :attr:`log_dir`. Idempotent; the Trainer calls it when a run starts, the bundled loggers
+        before their first write."""
+        if not self._claimed:
+            assert isinstance(self._version, int)
+            self._version = claim_version(os.path.join(self._save_dir, self._name), self._version)
+            self._claimed = True
+        return self.log_dir
+
+    def _make_dir(self) -> str:
+        """:meth:`claim` this run's directory and make sure it exists; returns it."""
+        path = self.claim()
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise explain(e, path, "create the run directory") from e
+        return path
 
     @property
     def name(self) -> str:
@@ -144,6 +182,57 @@ def next_version(root: str | os.PathLike[str]) -> int:
         if e.is_dir() and (m := _VERSION_DIR.fullmatch(e.name)) is not None
     ]
     return max(taken) + 1 if taken else 0
+
+
+# the version directories this process claimed: loggers built together share theirs
+_CLAIMED: set[str] = set()
+_CLAIM_LOCK = threading.Lock()
+
+
+def claim_version(root: str | os.PathLike[str], version: int = 0) -> int:
+    """Create ``root/version_N`` for the first ``N >= version`` no other process holds, and
+    return ``N``.
+
+    ``os.mkdir`` is atomic: of two processes that try the same ``N`` one succeeds, the other
+    gets ``FileExistsError`` and tries the next free ``N``. A directory this process claimed
+    before is its own (loggers built together share it).
+
+    Args:
+        root: the experiment directory (``save_dir/name``), created if missing.
+        version: the ``N`` to try first (what :func:`next_version` gave).
+
+    Raises:
+        OSError: if the directory cannot be created (a read-only or full disk: the message
+            names it).
+
+    Example:
+        >>> import os, tempfile
+        >>> from engine.loggers.base import claim_version
+        >>> root = tempfile.mkdtemp()
+        >>> os.makedirs(os.path.join(root, "version_0"))  # another process took it
+        >>> claim_version(root, 0), claim_version(root, 1)  # ours: claimed once, then shared
+        (1, 1)
+    """
+    root = os.path.abspath(os.fspath(root))
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise explain(e, root, "create the run directories in") from e
+    n = version
+    with _CLAIM_LOCK:
+        while True:
+            path = os.path.join(root, f"version_{n}")
+            if path in _CLAIMED:
+                return n
+            try:
+                os.mkdir(path)
+            except FileExistsError:  # another process's run (or an old one): the next free N
+                n += 1
+                continue
+            except OSError as e:
+                raise explain(e, path, "create the run directory") from e
+            _CLAIMED.add(path)
+            return n
 
 
 def _to_float(name: str, value: Any) -> float | int:
@@ -313,10 +402,46 @@ def to_yaml(data: Mapping[str, Any]) -> str:
 
 def _write_hparams_yaml(path: str, params: Mapping[str, Any]) -> None:
     """Write ``params`` to ``path`` as YAML, atomically (a reader never sees half a file)."""
+    write_atomically(path, to_yaml(params))
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Replace ``path`` by a file holding ``text``: written whole to a temporary file beside
+    it, then renamed over it, so a reader sees the old file or the new one, never part of
+    one. A failed write (a full disk) leaves the old file as it was and raises an ``OSError``
+    that names ``path`` and says what is wrong."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(to_yaml(params))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            _write_all(f, text.encode("utf-8"))
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise explain(e, path, "write") from e
+
+
+def append_whole(path: str, text: str) -> None:
+    """Append ``text`` (whole lines) to ``path``: a failed write (a full disk) is undone, the
+    file cut back to what it held, so no line is ever torn, and raises an ``OSError`` that
+    names ``path`` and says what is wrong."""
+    try:
+        with open(path, "ab", buffering=0) as f:  # unbuffered: nothing left to fail at close
+            size = f.seek(0, os.SEEK_END)
+            try:
+                _write_all(f, text.encode("utf-8"))
+            except OSError:
+                f.truncate(size)
+                raise
+    except OSError as e:
+        raise explain(e, path, "write") from e
+
+
+def _write_all(f: Any, data: bytes) -> None:
+    """All of ``data`` to the unbuffered file ``f`` (a raw write may write part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view) :]
 
 
 def _as_params(params: Any) -> dict[str, Any]:

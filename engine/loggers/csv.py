@@ -9,12 +9,20 @@ Rows are buffered and written every ``flush_logs_every_n_steps`` steps and at :m
 from __future__ import annotations
 
 import csv
+import io
 import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from engine.loggers.base import Logger, _as_params, _to_float, _write_hparams_yaml
+from engine.loggers.base import (
+    Logger,
+    _as_params,
+    _to_float,
+    _write_hparams_yaml,
+    append_whole,
+    write_atomically,
+)
 
 __all__ = ["CSVLogger"]
 
@@ -98,16 +106,21 @@ class CSVLogger(Logger):
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Merge ``params`` into the recorded hyperparameters and rewrite ``hparams.yaml``."""
         self.hparams.update(_as_params(params))
-        os.makedirs(self.log_dir, exist_ok=True)
-        _write_hparams_yaml(os.path.join(self.log_dir, self.HPARAMS_FILE), self.hparams)
+        _write_hparams_yaml(os.path.join(self._make_dir(), self.HPARAMS_FILE), self.hparams)
 
     def save(self) -> None:
-        """Write the buffered rows, rewriting the file first if they bring new columns."""
+        """Write the buffered rows, rewriting the file first if they bring new columns.
+
+        Rows are written whole: appended in one write that a failure undoes, or, with a wider
+        header, the whole file rewritten beside the old one and renamed over it. A failed write
+        (a full disk) raises an ``OSError`` naming the file; what the file held stays, and the
+        rows stay buffered for the next :meth:`save`.
+        """
         if not self._rows:
             return
         path = self.metrics_file
         if not self._opened:
-            os.makedirs(self.log_dir, exist_ok=True)
+            self._make_dir()
             if os.path.isfile(path):
                 warnings.warn(
                     f"CSVLogger: {path} exists and is being replaced by this run's metrics; "
@@ -117,27 +130,31 @@ class CSVLogger(Logger):
                 os.remove(path)
             self._opened = True
         new = sorted({k for row in self._rows for k in row} - {"step", *self._columns})
-        exists = os.path.isfile(path)
-        if new:
-            self._columns = sorted([*self._columns, *new])
-        header = ["step", *self._columns]
-        if new and exists:
-            # a wider header: rewrite what is on disk under it (missing cells stay empty)
-            with open(path, newline="", encoding="utf-8") as f:
-                old = list(csv.DictReader(f))
-            self._write(path, header, old, mode="w")
-            exists = True
-        self._write(path, header, self._rows, mode="a" if exists else "w")
+        columns = sorted([*self._columns, *new])
+        header = ["step", *columns]
+        if not new and os.path.isfile(path):
+            append_whole(path, _csv_text(header, self._rows, with_header=False))
+        else:
+            # a new file, or a wider header: the whole file (what is on disk under the new
+            # header, missing cells empty, then the new rows), replacing the old one at once
+            old: list[dict[str, Any]] = []
+            if os.path.isfile(path):
+                with open(path, newline="", encoding="utf-8") as f:
+                    old = list(csv.DictReader(f))
+            write_atomically(path, _csv_text(header, [*old, *self._rows], with_header=True))
+        self._columns = columns
         self._rows = []
-
-    @staticmethod
-    def _write(path: str, header: list[str], rows: list[dict[str, Any]], *, mode: str) -> None:
-        with open(path, mode, newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=header)
-            if mode == "w":
-                writer.writeheader()
-            writer.writerows(rows)
 
     def finalize(self, status: str) -> None:
         """Write what is buffered; the run's status is not recorded in the CSV."""
         self.save()
+
+
+def _csv_text(header: list[str], rows: list[dict[str, Any]], *, with_header: bool) -> str:
+    """``rows`` as CSV text under ``header`` (built in memory: written in one call)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=header)
+    if with_header:
+        writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()

@@ -74,7 +74,7 @@ class TensorBoardLogger(Logger):
                 kwargs["filename_suffix"] = (
                     f"{kwargs.get('filename_suffix', '')}.{self._writers_opened}"
                 )
-            self._writer = SummaryWriter(logdir=self.log_dir, **kwargs)
+            self._writer = SummaryWriter(logdir=self._make_dir(), **kwargs)
             self._writers_opened += 1
         return self._writer
 

@@ -1,0 +1,103 @@
+"""Writing files so that a failure says what failed: which file, and why, in words.
+
+:func:`explain` turns an ``OSError`` from a write into one that names the path and says what is
+wrong for the usual causes (a full disk, a read-only or forbidden directory), keeping the
+``errno``. :func:`check_writable` is the check a fit makes before its first step on every
+directory it will write, each with the flag that set it, so a directory that cannot be written
+is an error before any work rather than after N steps of it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from collections.abc import Iterable
+
+__all__ = ["check_writable", "explain"]
+
+_WHY = {
+    errno.ENOSPC: "the disk is full (no space left on device)",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
+
+
+def explain(error: OSError, path: str | os.PathLike[str], doing: str = "write") -> OSError:
+    """``error``, raised writing ``path``, with a message that names ``path`` and says what is
+    wrong; the same ``errno`` (and so the same ``OSError`` subclass).
+
+    Example:
+        >>> import errno
+        >>> e = explain(OSError(errno.ENOSPC, "No space left on device"), "/logs/metrics.csv")
+        >>> e.errno
+        28
+        >>> "/logs/metrics.csv: the disk is full" in e.strerror
+        True
+    """
+    why = _WHY.get(error.errno or 0)
+    if why is None:
+        why = error.strerror or str(error)
+    elif error.errno in (errno.ENOSPC, errno.EDQUOT):
+        why += "; free space or write elsewhere"
+    else:
+        why += "; write to a directory you can write to"
+    return OSError(error.errno, f"could not {doing} {os.fspath(path)}: {why}")
+
+
+def _nearest_existing(path: str) -> str:
+    """``path``, or the closest of its parents that exists (what creating it will write)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def check_writable(directories: Iterable[tuple[str | os.PathLike[str], str]]) -> None:
+    """Check that each directory can be written, by writing: a temporary file created and
+    removed in it (or in its nearest existing parent, which creating it will write). Being
+    root, or a read-only mount, makes permission bits say nothing: only a write tells.
+
+    Args:
+        directories: ``(directory, what set it)`` pairs, e.g.
+            ``("/ckpt", "ModelCheckpoint(dirpath='/ckpt')")``.
+
+    Raises:
+        OSError: naming the directory, the flag that set it and why it cannot be written (a
+            ``PermissionError`` for permission denied; ``NotADirectoryError`` for a file).
+
+    Example:
+        >>> import os, tempfile
+        >>> from engine._writable import check_writable
+        >>> check_writable([(os.path.join(tempfile.mkdtemp(), "new", "dir"), "Trainer(...)")])
+    """
+    seen: set[str] = set()
+    for directory, flag in directories:
+        probe = _nearest_existing(os.fspath(directory))
+        if not os.path.isdir(probe):
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"{flag}: {os.fspath(directory)} cannot be a directory, {probe} is a file; "
+                "pass a directory path",
+            )
+        if probe in seen:
+            continue
+        seen.add(probe)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=probe, prefix=".engine-write-check-")
+            os.close(fd)
+            os.remove(tmp)
+        except OSError as e:
+            why = _WHY.get(e.errno or 0, e.strerror or str(e))
+            where = "" if probe == os.path.abspath(directory) else f" ({probe}, where it goes)"
+            raise OSError(
+                e.errno,
+                f"{flag}: the directory {os.fspath(directory)} cannot be written{where}: {why}. "
+                "Checked when the fit starts, before any step: pass a directory you can write "
+                "to",
+            ) from e
