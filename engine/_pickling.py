@@ -6,6 +6,7 @@ Everything here that loads runs code from its input: only for trusted run direct
 
 from __future__ import annotations
 
+import copy
 import io
 import linecache
 import os
@@ -23,8 +24,10 @@ from engine.state import TrainState
 
 __all__ = [
     "PayloadTooLarge",
+    "Rebuild",
     "dump_skeleton",
     "dumps_code",
+    "dumps_data",
     "load_skeleton",
     "loads_code",
 ]
@@ -109,6 +112,44 @@ def loads_code(payload: bytes) -> Any:
         if lines and not os.path.exists(name):  # the script is gone: serve its saved lines
             linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
     return pickle.loads(inner)
+
+
+class Rebuild:
+    """How to make a datamodule again: its class and the keyword arguments its
+    ``save_hyperparameters()`` recorded (Lightning's ``hparams_initial``), for one that does not
+    pickle itself. Calling it makes a new one, as ``Class(**hparams)``."""
+
+    def __init__(self, cls: type, kwargs: Mapping[str, Any]) -> None:
+        self.cls, self.kwargs = cls, dict(kwargs)
+
+    def __call__(self) -> Any:
+        return self.cls(**self.kwargs)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"{self.cls.__qualname__}({args})"
+
+
+def dumps_data(source: Any, *, limit: int | None = None) -> bytes:
+    """Pickle a fit's training data source (a dataloader or a datamodule) for replay.
+
+    A datamodule is pickled without its ``trainer`` (the Trainer it was attached to, which holds
+    open files and threads; a replay attaches its own, as a fit does). One that still does not
+    pickle (an open file of its own), or pickles to more than ``limit`` bytes (a dataset held in
+    memory), is recorded as a :class:`Rebuild`, its class and the arguments its
+    ``save_hyperparameters()`` recorded, when it has them; else the error is raised.
+    """
+    if "trainer" not in getattr(source, "__dict__", {}):
+        return dumps_code(source, limit=limit)
+    detached = copy.copy(source)
+    detached.__dict__["trainer"] = None
+    try:
+        return dumps_code(detached, limit=limit)
+    except Exception:
+        hparams = getattr(source, "hparams_initial", None) or getattr(source, "hparams", None)
+        if not isinstance(hparams, Mapping):
+            raise
+        return dumps_code(Rebuild(type(source), hparams), limit=limit)
 
 
 def dump_skeleton(state: TrainState) -> bytes:

@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 
 from engine import checkpoint
-from engine._pickling import load_skeleton, loads_code
+from engine._pickling import Rebuild, load_skeleton, loads_code
 from engine.events import EventRecord, Listener, Transition
 from engine.listeners.journal import CONFIG, DATA, JOURNAL, MODEL, TASK, Journal, JournalError
 from engine.state import TrainState
@@ -839,6 +839,8 @@ def _load_run(root: Path, data: Any) -> tuple[Any, bytes, Any, dict[str, Any]]:
                 "Journal(max_data_bytes=...)); pass the training data as replay(..., data=...)"
             )
         data = loads_code(_run_file(root, DATA, "the data").read_bytes())
+        if isinstance(data, Rebuild):  # a datamodule recorded as its class and hyperparameters
+            data = data()
     config_path = root / CONFIG
     config = (
         json.loads(_run_file(root, CONFIG, "the config").read_text())

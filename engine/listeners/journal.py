@@ -8,7 +8,10 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
   ``fingerprint_every_n_steps`` steps, and a line (with fingerprint and path) for every
   checkpoint, including the state the fit started from. An asynchronous checkpoint's line is
   written once it is on disk, with the fingerprint its writer hashed from the snapshot (so the
-  loop does not wait for the hash), and not at all if the write failed;
+  loop does not wait for the hash), and not at all if the write failed; and a last line,
+  ``"end": true``, with the fit's final step, the losses since the previous line and the final
+  fingerprint. Each line is written whole (one write; a failed one is cut back and raises
+  :class:`JournalWriteError`), and a reader leaves out a last line cut short by a killed fit;
 * ``config.json``: the Trainer's resolved flags (``trainer.config.to_json()``);
 * ``task.pkl``, ``model.pkl``, ``data.pkl``: the task's functions, the model's structure (its
   tensors as shapes only) and the training data source, pickled with cloudpickle so the run can be
@@ -94,9 +97,9 @@ class Journal(Listener):
         ...                      enable_model_summary=False, enable_checkpointing=False,
         ...                      callbacks=[Journal(d, every_n_steps=2)])
         >>> _ = trainer.fit(task, task.init(torch.nn.Linear(3, 1)), data)
-        >>> [(line["step"], "checkpoint" in line) for line in Journal.read(d)]
-        [(0, True), (2, False), (4, False)]
-        >>> line = Journal.read(d)[-1]
+        >>> [(line["step"], "checkpoint" in line, "end" in line) for line in Journal.read(d)]
+        [(0, True, False), (2, False, False), (4, False, False), (4, False, True)]
+        >>> line = Journal.read(d)[-2]
         >>> len(line["losses"]), line["losses"][-1] == line["loss"]  # steps 3 and 4
         (2, True)
     """
@@ -165,13 +168,14 @@ class Journal(Listener):
         self._size = os.fstat(self._file.fileno()).st_size
         if not self.replayable or rec.state is None:
             return None
-        from engine._pickling import dump_skeleton, dumps_code
+        from engine._pickling import dump_skeleton, dumps_code, dumps_data
 
         self._dump(root / TASK, "the task", lambda: dumps_code(run.task))
         self._dump(root / MODEL, "the model's structure", lambda: dump_skeleton(rec.state))
         source = run.datamodule if run.datamodule is not None else run.train_dataloader
         limit = self.max_data_bytes
-        self._dump(root / DATA, "the training data", lambda: dumps_code(source, limit=limit))
+        # a datamodule without its trainer, or as its class and hyperparameters (dumps_data)
+        self._dump(root / DATA, "the training data", lambda: dumps_data(source, limit=limit))
         start = run.ckpt_path  # a resumed fit starts from that checkpoint
         save = None
         if start is None:  # else the state it was given: saved beside the journal
