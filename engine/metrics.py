@@ -138,7 +138,7 @@ class MetricReducer:
             **{k: o.reduce_fx for k, o in self.options.items() if o.reduce_fx is not None},
         }
         self.fold_every = fold_every
-        self._step_names: dict[tuple[str, ...], list[tuple[str, str]]] = {}
+        self._step_names: dict[tuple[str, ...], list[tuple[str, str | None]]] = {}
         self.pending: list[tuple[Mapping[str, Tensor], int]] = []
         self.values: dict[str, Tensor] = {}
         self.weights: dict[str, int] = {}
@@ -146,6 +146,9 @@ class MetricReducer:
         # the returned loss is also a metric of the user's own name (``{"train_loss": loss}``):
         # then it is logged under that name only, as Lightning logs what self.log names
         self._loss_renamed: bool | None = None
+        #: the loss the last step_logged / epoch_logged read on the host (None: not read)
+        self.host_loss: float | None = None
+        self.host_loss_of_epoch = False  # ... the epoch's reduction, not a step's value
 
     def update(self, metrics: Mapping[str, Any], batch_size: int) -> None:
         if self._loss_renamed is None:  # the first step's metrics decide (no host sync)
@@ -224,30 +227,39 @@ class MetricReducer:
 
     def step_logged(self, metrics: Mapping[str, Any]) -> dict[str, float]:
         """A training step's metrics on the host, named for the loggers (one transfer for all);
-        those with ``on_step=False`` and metric objects are left out."""
+        those with ``on_step=False`` and metric objects are left out. The step's ``"loss"`` is
+        read in the same transfer, logged or not, and kept as :attr:`host_loss` (the driver
+        reports a non-finite one)."""
         keys = tuple(metrics)
         names = self._step_names.get(keys)
         if names is None:
             if self._loss_renamed is None:
                 self._loss_renamed = _loss_renamed(metrics)
             names = self._step_names[keys] = [
-                (k, n)
+                (k, None if k == "loss" and self._loss_renamed else self._step_name(k))
                 for k in keys
                 if isinstance(metrics[k], Tensor)
-                and not (k == "loss" and self._loss_renamed)
-                and (n := self._step_name(k)) is not None
+                and (k == "loss" or self._step_name(k) is not None)
             ]
         if not names:
+            self.host_loss = None
             return {}
         values = torch.stack([metrics[k].detach().float() for k, _ in names]).tolist()
-        return {n: v for (_, n), v in zip(names, values, strict=True)}
+        self.host_loss_of_epoch = False
+        self.host_loss = next(
+            (v for (k, _), v in zip(names, values, strict=True) if k == "loss"), None
+        )
+        return {n: v for (_, n), v in zip(names, values, strict=True) if n is not None}
 
     def epoch_logged(self) -> dict[str, float]:
         """The training epoch's reductions (:meth:`compute`), named for the loggers:
         ``<name>_epoch`` (the name alone for ``on_step=False``, as Lightning names a metric
-        logged per epoch only); those with ``on_epoch=False`` are left out."""
+        logged per epoch only); those with ``on_epoch=False`` are left out. The loss's
+        reduction is kept as :attr:`host_loss`, logged or not."""
         out = {}
-        for k, v in self.compute().items():
+        computed = self.compute()
+        self.host_loss, self.host_loss_of_epoch = computed.get("loss"), True
+        for k, v in computed.items():
             options = self.options.get(k)
             if options is not None and options.on_epoch is False:
                 continue

@@ -29,8 +29,8 @@ import torch
 from engine import checkpoint, loop, optim, transforms
 from engine._config import FlagViews, missing_attribute, warn_hyperparams_in_dtype
 from engine._profiling import Profiler
-from engine._writable import check_writable
 from engine._resume import Checkpointer, RunRecord, SignalCatcher, _is
+from engine._writable import check_writable
 from engine.data import (
     batch_size,
     count_batches,
@@ -1258,6 +1258,7 @@ class _FitRun:
         self.trainer, self.train_step, self.evaluate = trainer, step, evaluate
         self.val_loaders, self.dm = val_loaders, dm
         self.move = trainer._transforms.move
+        self.reported_nonfinite = False  # a non-finite training loss is reported once a fit
 
     def emit(
         self, event: Event, state: TrainState, progress: Progress, **fields: Any
@@ -1305,6 +1306,20 @@ class _FitRun:
         # (last) batch's optimizer step, as the batch's validation rows
         t._log_row(metrics, max(state.step - 1, 0), run_row=True)
         t._update_prog_bar(metrics)
+        reducer = t._progress.reducer
+        loss = getattr(reducer, "host_loss", None)  # read with the logged values: no extra sync
+        if loss is not None and not math.isfinite(loss) and not self.reported_nonfinite:
+            self.reported_nonfinite = True  # once a fit: every later step is likely as bad
+            what = "epoch's mean loss" if reducer.host_loss_of_epoch else "loss"
+            warnings.warn(
+                f"the training {what} is {loss} at global_step {state.step} (epoch "
+                f"{state.epoch}). The loss is read on the host only to log it (every "
+                f"log_every_n_steps={t.log_every_n_steps} steps), so the first non-finite step "
+                "may be earlier: find it with Trainer(detect_anomaly=True) or `engine replay`; "
+                "a lower learning rate, gradient_clip_val or a look at the data may help",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def validate(self, state: TrainState, progress: Progress) -> tuple[TrainState, Progress]:
         t = self.trainer

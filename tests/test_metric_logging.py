@@ -294,3 +294,75 @@ def test_the_names_a_lightning_module_logs_reach_engines_loggers_unchanged(tmp_p
     ours = columns(logger.metrics_file)
     assert {"epoch", "train_loss", "val_loss"} <= lightning
     assert lightning <= ours, (lightning, ours)  # engine adds train/loss and its epoch mean
+
+
+def _nan_after(k: int):
+    """A loss that turns NaN from the step whose batch carries index ``k`` on."""
+
+    def loss_fn(model, batch):
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        return loss * float("nan") if x[0, 0].item() >= k else loss
+
+    return loss_fn
+
+
+def _indexed(n: int):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        x = torch.randn(8, 4, generator=g)
+        x[0, 0] = i  # the batch's index, which the loss reads
+        out.append((x, torch.randint(0, 3, (8,), generator=g)))
+    return out
+
+
+@pytest.mark.parametrize("log_every", [1, 4])
+def test_a_non_finite_training_loss_is_reported_once_naming_the_step(log_every):
+    import warnings
+
+    task = eg.Task(_nan_after(5), optim.sgd(0.1))
+    trainer = eg.Trainer(max_epochs=2, logger=_Rows(), log_every_n_steps=log_every, **QUIET)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(task, task.init(_model()), _indexed(10))
+    reports = [w for w in caught if "non-finite" in str(w.message) or " is nan" in str(w.message)]
+    assert len(reports) == 1, [str(w.message) for w in caught]
+    message = str(reports[0].message)
+    # read when logged: the 6th step (index 5) with every step logged, else the next logged one
+    step = 6 if log_every == 1 else 8
+    assert f"the training loss is nan at global_step {step} (epoch 0)" in message
+    assert f"log_every_n_steps={log_every}" in message and "detect_anomaly=True" in message
+
+
+def test_a_non_finite_loss_is_read_with_the_logged_values_only(monkeypatch):
+    """No extra synchronisation: the loss reaches the host in the logged values' one transfer."""
+    import warnings
+
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        reads.append(self.numel())
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+
+    def training_step(model, batch):
+        loss = _nan_after(2)(model, batch)
+        return loss, {"train_loss": loss}  # the loss logged under the user's name
+
+    task = eg.Task(
+        training_step, optim.sgd(0.1), log_options={"train_loss": LogOptions(on_epoch=False)}
+    )
+    trainer = eg.Trainer(
+        max_epochs=1, logger=_Rows(), log_every_n_steps=2, enable_journal=False, **QUIET
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(task, task.init(_model()), _indexed(4))
+    assert [str(w.message)[:45] for w in caught if " is nan" in str(w.message)] == [
+        "the training loss is nan at global_step 4 (ep"
+    ]
+    # one read per logging step (2 values: loss and train_loss) and one at the epoch's end
+    assert reads == [2, 2, 2]
