@@ -382,7 +382,14 @@ class FlagViews:
     config: LoopConfig
 
     accelerator: str = _flag("accelerator")
-    strategy: str = _flag("strategy")
+
+    @property
+    def strategy(self) -> str:
+        """The resolved ``strategy`` flag (a str); Lightning's Strategy object's attributes
+        on it say where engine keeps them (``trainer.strategy.root_device`` is
+        ``trainer.root_device``)."""
+        return StrategyFlag(self.config.strategy)
+
     devices: int | str | tuple[int, ...] = _flag("devices")
     device: str = _flag("device")
     num_nodes: int = _flag("num_nodes")
@@ -469,6 +476,40 @@ LIGHTNING_ATTRIBUTES = {
     "an interruption",
     "received_sigterm": "a SIGTERM during fit saves a checkpoint and exits (engine handles it)",
 }
+
+
+# Lightning's Strategy attributes, and where engine keeps each
+_STRATEGY_ATTRIBUTES = {
+    "root_device": "trainer.root_device",
+    "world_size": "trainer.world_size",
+    "global_rank": "trainer.global_rank",
+    "local_rank": "trainer.local_rank",
+    "is_global_zero": "trainer.is_global_zero",
+    "num_processes": "trainer.num_devices",
+    "precision_plugin": "trainer.precision (the flag) and its step transform",
+    "checkpoint_io": "Trainer(plugins=[an engine.checkpoint.CheckpointIO])",
+    "model": "trainer.state (the model's tensors)",
+    "lightning_module": "trainer.state (the model's tensors)",
+    "optimizers": "trainer.task.tx and trainer.state.opt_state",
+    "barrier": "nothing: one process until DDP lands",
+}
+
+
+class StrategyFlag(str):
+    """``trainer.strategy``: the flag's value, a str (``"auto"``), as Lightning's flag is
+    given; an attribute of Lightning's Strategy object read on it says where engine keeps it."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        instead = _STRATEGY_ATTRIBUTES.get(name)
+        where = f"Lightning's trainer.strategy.{name} is {instead}" if instead else ""
+        raise AttributeError(
+            f"trainer.strategy is the strategy flag's value ({str(self)!r}), not Lightning's "
+            f"Strategy object, and has no attribute {name!r}" + (f": {where}" if where else "")
+        )
 
 
 def missing_attribute(owner: str, name: str) -> AttributeError:

@@ -150,6 +150,16 @@ def test_a_lightning_trainer_attribute_engine_lacks_names_its_replacement(name, 
         eg.Trainer(logger=False).no_such_thing  # noqa: B018
 
 
+def test_trainer_strategy_is_the_flag_and_lightnings_strategy_attributes_name_engines():
+    lightning = pl.Trainer(logger=False)
+    assert lightning.strategy.root_device == torch.device("cpu")  # a Strategy object there
+    trainer = eg.Trainer(logger=False)
+    assert trainer.strategy == "auto" and isinstance(trainer.strategy, str)
+    with pytest.raises(AttributeError, match=r"strategy\.root_device is trainer\.root_device"):
+        trainer.strategy.root_device  # noqa: B018
+    assert trainer.root_device == lightning.strategy.root_device
+
+
 # ----------------------------------------------------------------------- the run's length
 
 COMBOS = [
