@@ -366,3 +366,24 @@ def test_a_non_finite_loss_is_read_with_the_logged_values_only(monkeypatch):
     ]
     # one read per logging step (2 values: loss and train_loss) and one at the epoch's end
     assert reads == [2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    ("own", "options", "expected"),
+    [
+        (False, {}, {"train/loss", "train/loss_epoch"}),  # returned alone: train/loss
+        (True, {}, {"train_loss", "train_loss_epoch"}),  # logged under its own name only
+        (False, {"loss": LogOptions(on_step=False, on_epoch=False)}, set()),  # left out
+    ],
+    ids=["returned-alone", "named-by-the-user", "left-out"],
+)
+def test_the_returned_loss_is_logged_once_under_the_name_the_user_chose(own, options, expected):
+    def training_step(model, batch):
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        return (loss, {"train_loss": loss}) if own else loss
+
+    rows = _Rows()
+    task = eg.Task(training_step, optim.sgd(0.1), log_options=options)
+    trainer = eg.Trainer(max_epochs=1, logger=rows, log_every_n_steps=1, **QUIET)
+    trainer.fit(task, task.init(_model()), _data())
+    assert set().union(*(set(r) for _, r in rows.rows)) - {"epoch"} == expected
