@@ -560,3 +560,28 @@ def test_the_migration_guide_shows_a_listener_running_the_model_in_eval_mode():
     assert "eg.predict_step(" in example and "rec.state" in example
     assert "watched.fingerprint() == unwatched.fingerprint()" in example
     assert 'total_steps="auto"' in guide and "estimated_stepping_batches" in guide
+
+
+def test_a_per_step_plateau_run_replays_bitwise(tmp_path):
+    """Its reductions, asked for after the validations inside epochs, are journaled and
+    applied again by a replay, which runs no validation."""
+    train = DataLoader(TensorDataset(*_dataset(12).tensors), batch_size=2)
+    val = DataLoader(TensorDataset(*_dataset(6).tensors), batch_size=3)
+    plateau = ReduceLROnPlateau("val_loss", patience=0, factor=0.5, interval="step", frequency=3)
+    task = _plateau_task()
+    trainer = eg.Trainer(
+        max_epochs=3,
+        val_check_interval=3,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
+        callbacks=[plateau],
+    )
+    state = trainer.fit(task, task.init(_model()), train, val)
+    assert optim.get_hyperparams(state.opt_state)["lr"] < 0.1 / 2  # reduced twice or more
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert report.identical and report.steps == 18, str(report)
