@@ -87,14 +87,6 @@ class _Stepped(Listener):
             return None
         return self._step(rec)
 
-    def on_validation_end(self, rec: EventRecord) -> Transition | None:
-        if rec.run.sanity_checking or rec.run.stage != "fit":
-            return None
-        return self._due_now(rec)
-
-    def on_train_batch_start(self, rec: EventRecord) -> Transition | None:
-        return self._due_now(rec)  # no validation followed the batch the check was due after
-
     def _due_now(self, rec: EventRecord) -> Transition | None:
         if not self._due:
             return None
@@ -194,6 +186,14 @@ class ReduceLROnPlateau(_Stepped):
         self.last_epoch = 0
 
     after_validation = True
+
+    def on_validation_end(self, rec: EventRecord) -> Transition | None:
+        if rec.run.sanity_checking or rec.run.stage != "fit":
+            return None
+        return self._due_now(rec)  # the validation after the batch a check was due after
+
+    def on_train_batch_start(self, rec: EventRecord) -> Transition | None:
+        return self._due_now(rec)  # no validation followed the batch the check was due after
 
     def _better(self, current: float) -> bool:
         best = self.best
