@@ -311,6 +311,7 @@ class _Checker(Listener):
             if any(k in line for k in _COMPARED) and _in_range(key, start, to_step):
                 self.pending.setdefault(key, []).append(line)
         self.pending = dict(sorted(self.pending.items()))
+        self.ends = {_line_key(x) for x in lines if x.get("end")}  # where fits ended
         self.span = span
         self.detect_anomaly = detect_anomaly
         self.compared = 0
@@ -442,9 +443,14 @@ class _Checker(Listener):
     def _overdue(self, state: TrainState, now: tuple[int, int, int, int] | None) -> None:
         """A line of a position the replay has passed (all, with ``now=None``) without
         reaching it: its position differs from the replay's."""
-        for key, lines in self.pending.items():
+        for key, lines in list(self.pending.items()):
             if now is not None and key >= now:
                 return
+            if now is not None and key in self.ends:
+                # a fit's end (and what it saved there) that a later fit continued from
+                # mid-epoch: the replay runs on through it (its losses are compared by step)
+                del self.pending[key]
+                continue
             line = lines[0]
             step, epoch, batch_idx, micro = key
             at = self.positions.get((step, micro))

@@ -317,3 +317,26 @@ def test_a_fingerprint_alone_differing_says_the_losses_up_to_it_matched(tmp_path
     assert "first difference seen at step 20" in text
     assert "the journaled losses of all 10 steps 11..20 matched" in text
     assert "no value journaled" not in text and "no fingerprint journaled" not in text
+
+
+def test_a_run_resumed_past_its_end_mid_epoch_replays_through_both_fits(tmp_path):
+    # the first fit ends mid-epoch (max_steps=7); a second resumes from it to step 12
+    run = tmp_path / "run"
+    saver = eg.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True, every_n_train_steps=1)
+    _fit(tmp_path, callbacks=[Journal(run), saver], max_steps=7, max_epochs=-1)
+    again = eg.Trainer(
+        max_steps=12,
+        max_epochs=-1,
+        log_every_n_steps=4,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        default_root_dir=tmp_path,
+        callbacks=[Journal(run)],
+    )
+    task = _task()
+    again.fit(task, task.init(nn.Linear(3, 1)), _data(), ckpt_path=tmp_path / "ckpts" / "last")
+    ends = [x["step"] for x in Journal.read(run) if x.get("end")]
+    assert ends == [7, 12]
+    report = eg.replay(run, 1, 12, trust_code=True)
+    assert report.identical and report.steps == 12, str(report)
