@@ -357,7 +357,7 @@ class Checkpointer:
         after each event, and the end of the run). With ``report=False`` (an exception is
         already on its way out) it warns instead.
         """
-        failed: list[tuple[str, BaseException]] = []
+        failed: list[tuple[_InFlight, BaseException]] = []
         while self.in_flight:
             pending = self.in_flight[0]
             if not wait and not failed and not pending.future.done():
@@ -370,26 +370,30 @@ class Checkpointer:
                 error = e
             except BaseException as e:
                 error = e
-                failed.append((pending.path, e))
+                failed.append((pending, e))
             _settle(pending.listener, pending.path, error)
             if error is None:
                 for path in pending.doomed:
                     self.io.remove(path)
         if not failed:
             return
-        path, first = failed[0]
+        pending, first = failed[0]
         more = (
             f" ({len(failed) - 1} later asynchronous saves failed too: "
-            + ", ".join(p for p, _ in failed[1:])
+            + ", ".join(p.path for p, _ in failed[1:])
             + ")"
             if len(failed) > 1
             else ""
         )
         message = (
-            f"the asynchronous save of checkpoint {path} failed in the background: {first}"
-            f"{more}. Checkpoints that were not written are out of ModelCheckpoint's ranking "
-            "(best_model_path, last_model_path and best_k_models name only checkpoints on disk)"
+            f"the asynchronous save of checkpoint {pending.path} (asked for by "
+            f"{type(pending.listener).__name__}) failed in the background: {first}{more}"
         )
+        if any(_is(p.listener, "ModelCheckpoint") for p, _ in failed):
+            message += (
+                ". ModelCheckpoint's best_model_path, last_model_path and best_k_models name "
+                "only the checkpoints that were written"
+            )
         if not report:
             warnings.warn(message, stacklevel=2)
             return
