@@ -34,6 +34,16 @@ Lightning 2.x's ``ModelCheckpoint`` semantics, as a listener that returns
   second save, not a copy), and once at the end of training if nothing was saved.
   ``save_last="link"`` is treated like ``True``: no symbolic links, which would dangle when a
   top-k checkpoint is deleted.
+* **One run per directory.** From ``on_fit_start`` to the end of the fit (an exception
+  included) the listener holds ``dirpath`` (``<dirpath>/.engine-run.lock``, see
+  :class:`engine.checkpoint._RunLock`): a second live run saving there is refused before its
+  first step, naming the directory and the owner's pid and host; a dead run's lock is taken
+  over. The ``ModelCheckpoint`` listeners of one process share it.
+* **Failed saves.** A checkpoint that cannot be written (a full disk) fails the fit with a
+  ``CheckpointError`` (an asynchronous one at the driver's next check); the driver tells the
+  listener (:meth:`ModelCheckpoint.checkpoint_settled`), which takes it out of
+  ``best_k_models`` / ``best_model_path`` / ``last_model_path``: they name only checkpoints
+  that were written, and the one it would have replaced is kept.
 * **Resume.** ``state_dict`` holds the top-k bookkeeping and when this listener last saved;
   the Trainer stores it in every checkpoint under :attr:`ModelCheckpoint.state_key` and
   restores it on ``fit(ckpt_path=...)``, so a resumed run keeps ranking against the same ``k``
