@@ -133,12 +133,18 @@ class Rebuild:
 def dumps_data(source: Any, *, limit: int | None = None) -> bytes:
     """Pickle a fit's training data source (a dataloader or a datamodule) for replay.
 
-    A datamodule is pickled without its ``trainer`` (the Trainer it was attached to, which holds
-    open files and threads; a replay attaches its own, as a fit does). One that still does not
-    pickle (an open file of its own), or pickles to more than ``limit`` bytes (a dataset held in
-    memory), is recorded as a :class:`Rebuild`, its class and the arguments its
+    A dataloader with ``persistent_workers`` is pickled without the iterator that keeps its
+    workers. A datamodule is pickled without its ``trainer`` (the Trainer it was attached to,
+    which holds open files and threads; a replay attaches its own, as a fit does). One that
+    still does not pickle (an open file of its own), or pickles to more than ``limit`` bytes (a
+    dataset held in memory), is recorded as a :class:`Rebuild`, its class and the arguments its
     ``save_hyperparameters()`` recorded, when it has them; else the error is raised.
     """
+    if isinstance(source, torch.utils.data.DataLoader) and source._iterator is not None:
+        # persistent_workers keeps its worker processes' iterator: a replay starts its own
+        detached_loader = copy.copy(source)
+        detached_loader.__dict__["_iterator"] = None
+        return dumps_code(detached_loader, limit=limit)
     if "trainer" not in getattr(source, "__dict__", {}):
         return dumps_code(source, limit=limit)
     detached = copy.copy(source)

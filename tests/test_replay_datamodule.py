@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,37 @@ def test_a_lightning_datamodule_run_replays_in_a_fresh_process(tmp_path, open_fi
     assert (b"Rebuild" in payload) == open_file
     if not open_file:
         assert Rebuild.__name__.encode() not in payload
+
+
+def test_a_run_on_a_loader_with_persistent_workers_replays(tmp_path):
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import engine as eg
+    from engine import optim
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 3, generator=g)
+    loader = DataLoader(
+        TensorDataset(x, x.sum(1, keepdim=True)),
+        batch_size=6,
+        num_workers=1,
+        persistent_workers=True,
+    )
+    next(iter(loader))  # a look at a batch first: the loader keeps its workers' iterator
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.05), lr=0.05)
+    trainer = eg.Trainer(
+        max_epochs=2,
+        log_every_n_steps=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Journal")
+        trainer.fit(task, task.init(torch.nn.Linear(3, 1)), loader)
+    assert (Path(trainer.run_dir) / "data.pkl").is_file()
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert report.identical and report.steps == 8, str(report)
