@@ -9,6 +9,7 @@ or of a function annotated to return one. See docs/cli.md.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import sys
@@ -17,6 +18,7 @@ from typing import Any, Protocol, Union
 import torch
 from torch import nn
 
+from engine import _cli_checks as checks
 from engine.errors import CheckpointError
 
 __all__ = ["STAGES", "build_parser", "run"]
@@ -66,9 +68,21 @@ _LOADER = {
 }
 
 
+def _path(value: Any) -> str:
+    """jsonargparse's reading of an ``os.PathLike`` key: a path is text. Without this it turns
+    any value into its ``str()`` (``[a, b]`` -> ``"['a', 'b']"``, ``null`` -> ``"None"``)."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a path, got {type(value).__name__} {value!r}")
+    return value
+
+
 def build_parser(stage: str) -> Any:
-    """The jsonargparse parser of ``engine STAGE``."""
+    """The jsonargparse parser of ``engine STAGE``; it raises ``argparse.ArgumentError`` on a
+    bad key or value (``run`` prints it as one ``error:`` line)."""
     from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+    from jsonargparse.typing import register_type
 
     from engine.events import Listener
     from engine.loggers import Logger
@@ -78,12 +92,15 @@ def build_parser(stage: str) -> Any:
     # Task is an attrs class, whose subclasses jsonargparse refuses by default; a class_path may
     # name a Task subclass or a function returning a Task
     set_parsing_settings(subclasses_enabled=[Task])
+    register_type(os.PathLike, serializer=os.fspath, deserializer=_path)
     parser = ArgumentParser(
         prog=f"engine {stage}",
         description=f"{STAGES[stage]}; the config keys are described in docs/cli.md",
         usage=f"engine {stage} [--config CONFIG.yaml ...] [--KEY=VALUE ...] [--print_config]",
         allow_abbrev=False,  # --trainer.max_epoch must not silently mean --trainer.max_epochs
         default_env=False,
+        exit_on_error=False,  # run() prints the error in one line
+        parser_mode=checks.install_yaml_loader(),  # YAML bounded in size and alias expansion
     )
     parser.add_argument(
         "--config",
@@ -156,23 +173,44 @@ def seed_everything(seed: int) -> None:
 
 
 def _error(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {checks.one_line(message)}", file=sys.stderr)
     return 2
 
 
 def run(stage: str, argv: list[str]) -> int:
     """Parse ``argv`` for ``engine STAGE``, build the pieces and run the stage; the exit status.
 
-    A bad key or value exits 2 from the parser; a flag the Trainer refuses exits 2 here.
+    A bad key or value, a flag the Trainer refuses, or a refusal engine raises while the stage
+    runs (a flag that does not fit the data) exits 2 with one ``error:`` line. An exception
+    from the user's own code keeps its traceback.
     """
     from engine.trainer import Trainer
 
+    too_large = checks.check_config_files(argv)
+    if too_large:
+        return _error(too_large)
     parser = build_parser(stage)
-    cfg = parser.parse_args(argv)  # --print_config prints and exits 0 in here
+    try:
+        cfg = parser.parse_args(argv)  # --print_config prints and exits 0 in here
+    except argparse.ArgumentError as e:
+        return _error(f"{e} (engine {stage} --help lists the keys)")
+    trainer_cfg = cfg.trainer.as_dict() if hasattr(cfg.trainer, "as_dict") else dict(cfg.trainer)
+    problem = (
+        checks.check_seed(cfg.seed_everything)
+        or checks.check_ints("trainer", trainer_cfg)
+        or checks.check_root_dir(trainer_cfg.get("default_root_dir"))
+    )
+    if problem:
+        return _error(problem)
     seed = int(cfg.seed_everything)
     seed_everything(seed)
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
-    init = instantiate(cfg)
+    try:
+        init = instantiate(cfg)
+    except Exception as e:  # a listener or logger refusing its init_args, as jsonargparse says
+        if not checks.refusal(e):
+            raise
+        return _error(str(e))
     flags = init.trainer.as_dict() if hasattr(init.trainer, "as_dict") else dict(init.trainer)
     try:
         trainer = Trainer(**flags)
@@ -191,8 +229,12 @@ def run(stage: str, argv: list[str]) -> int:
     state = task.init(model, seed=seed)
     try:
         return _run_stage(stage, trainer, task, state, data, ckpt_path, init)
-    except CheckpointError as e:  # a damaged or mismatched checkpoint: the input, not a bug
-        return _error(f"ckpt_path: {e}")
+    except CheckpointError as e:  # a damaged or mismatched checkpoint, a save that failed
+        return _error(f"{'ckpt_path' if ckpt_path is not None else stage}: {e}")
+    except Exception as e:  # engine refusing a flag that does not fit the data, say
+        if not checks.refusal(e):
+            raise
+        return _error(f"{stage}: {e}")
 
 
 def _run_stage(
