@@ -9,6 +9,7 @@ import os
 import pickle
 import sys
 import traceback
+import zipfile
 from pathlib import Path
 
 from engine import checkpoint
@@ -17,13 +18,85 @@ from engine._cli_config import STAGES
 __all__ = ["main"]
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def _lightning_version(path: Path) -> str | None:
+    """The pytorch-lightning version a Lightning ``.ckpt`` names, read from the opcodes of its
+    pickle without unpickling anything (nothing in the file runs); ``None`` for another file.
+
+    A ``.ckpt`` is ``torch.save``'s zip of a dict whose key ``pytorch-lightning_version`` is
+    followed by the version's text.
+    """
+    import pickletools
+
     try:
-        info = checkpoint.inspect(args.path)
+        with zipfile.ZipFile(path) as archive:
+            pickles = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"]
+            if not pickles:
+                return None
+            data = archive.read(pickles[0])
+    except (zipfile.BadZipFile, KeyError, EOFError):
+        return None
+    previous = None
+    try:
+        for _, arg, _ in pickletools.genops(data):
+            if isinstance(arg, str):
+                if previous == "pytorch-lightning_version":
+                    return arg
+                previous = arg
+    except ValueError:  # a damaged pickle: not something to name
+        return None
+    return None
+
+
+def _not_a_checkpoint_dir(path: Path) -> str | None:
+    """Why ``path`` is not an engine checkpoint when it is no directory, else ``None``.
+
+    Raises:
+        OSError: ``path`` cannot be read (no permission on it or a directory above it).
+    """
+    if not path.exists():
+        return f"{path}: no such file or directory"
+    if path.is_dir():
+        return None
+    with open(path, "rb"):  # unreadable: the OSError says why
+        pass
+    version = _lightning_version(path)
+    if version is not None:
+        return (
+            f"{path} is a Lightning checkpoint (pytorch-lightning {version}), not an engine "
+            f"checkpoint: start from its weights with engine.checkpoint.from_lightning("
+            f"{str(path)!r}, task.init(model)) (docs/checkpoints.md)"
+        )
+    if zipfile.is_zipfile(path):
+        return (
+            f"{path} is a torch.save file, not an engine checkpoint (a directory holding "
+            f"{checkpoint.META}); engine.checkpoint.from_lightning reads a state dict's weights"
+        )
+    return f"{path} is a file, not an engine checkpoint (a directory holding {checkpoint.META})"
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    try:
+        refused = _not_a_checkpoint_dir(path)
+        if refused is not None:
+            return _fail(refused)
+        info = checkpoint.inspect(path)
     except checkpoint.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        # 1: a checkpoint that fails verification (its meta.json too); 2: not a checkpoint
-        return 1 if (Path(args.path) / checkpoint.META).is_file() else 2
+        # 1: a checkpoint that fails verification (its meta.json too); 2: not a checkpoint,
+        # or one that cannot be read
+        unreadable = isinstance(e.__cause__, OSError)
+        try:
+            has_meta = (path / checkpoint.META).is_file()
+        except OSError:
+            has_meta = False
+        return 1 if has_meta and not unreadable else 2
+    except OSError as e:  # no permission on the path, or on a file or directory inside it
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        return _fail(
+            f"{path} cannot be read: {e.strerror or e}{where}; check its permissions "
+            "(ls -l) or run as a user who may read it"
+        )
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
     else:
