@@ -182,16 +182,19 @@ class ReplayReport:
             out = f"{head}; first difference seen at {div}"
             if after is not None and self.losses_matched is not None:
                 steps = div.step - after
-                which = (
-                    f"all {steps} steps {after + 1}..{div.step}"
-                    if self.losses_matched == steps
-                    else f"{self.losses_matched} of the {steps} steps {after + 1}..{div.step} "
-                    "(the others have none journaled)"
-                )
+                if self.losses_matched == steps:
+                    which = (
+                        f"the journaled losses of all {steps} steps {after + 1}..{div.step} matched"
+                    )
+                else:
+                    which = (
+                        f"the losses journaled for {self.losses_matched} of the {steps} steps "
+                        f"{after + 1}..{div.step} matched (the others have none journaled)"
+                    )
                 out += (
-                    f"\nthe journaled losses of {which} matched; the state's fingerprint last "
-                    f"matched at step {after}, so the state first differed in steps ({after}, "
-                    f"{div.step}], in values the loss did not show"
+                    f"\n{which}; the state's fingerprint last matched at step {after}, so the "
+                    f"state first differed in steps ({after}, {div.step}], in values the loss "
+                    "did not show"
                 )
             elif after is not None:
                 names = " or ".join(sorted(div.values))
@@ -427,12 +430,14 @@ class _Checker(Listener):
                 self.compared += 1
                 if line["fingerprint"] != fingerprint:
                     diffs["fingerprint"] = (line["fingerprint"], fingerprint)
+            if "loss" in line and "loss" not in diffs:
+                self.loss_steps.add(state.step)
             if diffs:
                 # each differing quantity first differed after the last step where it matched
                 after = min(self.matched[k] for k in diffs)
                 matched = None
                 if set(diffs) == {"fingerprint"}:  # the losses up to it matched
-                    matched = sum(after < s <= state.step for s in self.loss_steps)
+                    matched = sum(after < s <= state.step for s in self.loss_steps) or None
                 raise _Diverged.at(state, diffs, after, self.journal.number(line), matched)
             compared.update(k for k in _COMPARED if k in line)
         if "fingerprint" in compared:  # the state is the journaled one, as at a checkpoint

@@ -340,3 +340,19 @@ def test_a_run_resumed_past_its_end_mid_epoch_replays_through_both_fits(tmp_path
     assert ends == [7, 12]
     report = eg.replay(run, 1, 12, trust_code=True)
     assert report.identical and report.steps == 12, str(report)
+
+
+def test_a_fingerprint_alone_differing_in_a_journal_without_step_losses(tmp_path):
+    # an engine before per-step losses: the lines' own losses are what matched
+    journal = Journal(every_n_steps=5, fingerprint_every_n_steps=10)
+    trainer = _fit(tmp_path, callbacks=[journal], enable_checkpointing=False)
+    lines = Journal.read(trainer.run_dir)
+    for line in lines:
+        line.pop("losses", None)
+    target = next(x for x in lines if x["step"] == 20 and "fingerprint" in x and "loss" in x)
+    target["fingerprint"] = "0" * 32
+    _rewrite(trainer.run_dir, lines)
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert report.divergence.step == 20 and report.diverged_after == 10
+    assert report.losses_matched == 2  # the lines at steps 15 and 20
+    assert "the losses journaled for 2 of the 10 steps 11..20 matched" in str(report)
