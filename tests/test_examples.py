@@ -65,7 +65,7 @@ def test_the_lightning_port_trains_checkpoints_on_val_loss_and_replays(tmp_path,
     (metrics,) = tmp_path.rglob("metrics.csv")
     with open(metrics) as f:
         header = next(csv.reader(f))
-    assert {"val_loss", "val_f1", "train_acc", "lr", "epoch"} <= set(header), header
+    assert {"val_loss", "val_f1", "train_acc", "lr-AdamW", "epoch"} <= set(header), header
     (journal,) = tmp_path.rglob("journal.jsonl")
     report = eg.replay(journal.parent, trust_code=True)
     assert report.identical, str(report)
