@@ -504,11 +504,13 @@ def _checkpoints(
                 meta = checkpoint.read_meta(path)
                 if meta.get("weights_only"):
                     break  # the model alone: no optimizer state to continue from
-                held = _key(
-                    meta.get("step", -1),
-                    meta.get("epoch", -1),
-                    meta.get("batch_idx", -1),
-                    meta.get("micro_step", 0),
+                # the counters meta.json records (each, where an older format lacks one, the
+                # line's own)
+                held = tuple(
+                    meta.get(name, own)
+                    for name, own in zip(
+                        ("step", "epoch", "batch_idx", "micro_step"), _line_key(line), strict=True
+                    )
                 )
                 recorded, expected = meta.get("fingerprint"), line.get("fingerprint")
                 wrong = None
