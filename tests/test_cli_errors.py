@@ -94,25 +94,37 @@ import engine.cli
 
 parser = config.build_parser("fit")  # built once; each forked case parses with its own copy
 config.build_parser = lambda stage: parser
-codes = []
-for case in json.load(sys.stdin):
+
+
+def start(case):
     pid = os.fork()
-    if pid == 0:  # the case, as the `engine` script runs it: sys.exit(main())
-        signal.alarm(120)
-        os.chdir(case["cwd"])
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            os.dup2(os.open(case[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        try:
-            code = engine.cli.main(case["argv"])
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (e.code is not None)
-        except BaseException:  # what the interpreter does with an uncaught exception
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    if pid:
+        return pid
+    # the case, as the `engine` script runs it: sys.exit(main())
+    signal.alarm(120)
+    os.chdir(case["cwd"])
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(case[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    try:
+        code = engine.cli.main(case["argv"])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (e.code is not None)
+    except BaseException:  # what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+cases = json.load(sys.stdin)
+codes, running, todo = [None] * len(cases), {}, list(range(len(cases)))
+while todo or running:
+    while todo and len(running) < 2:  # two at a time: the machines have two cores
+        i = todo.pop(0)
+        running[start(cases[i])] = i
+    pid, status = os.wait()
+    codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
 json.dump(codes, sys.stdout)
 """
 
