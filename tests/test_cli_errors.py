@@ -27,6 +27,9 @@ LISTENER = (
 )
 CHECKPOINT = "{class_path: engine.listeners.ModelCheckpoint, init_args: {save_top_k: -5}}"
 LOGGER = "{class_path: engine.loggers.TensorBoardLogger, init_args: {save_dir: ., version: -3}}"
+# a list where a path is expected: jsonargparse made directories named "['a', 'b']" of these
+DIRPATH = "{class_path: engine.listeners.ModelCheckpoint, init_args: {dirpath: [a, b]}}"
+SAVE_DIR = "{class_path: engine.loggers.CSVLogger, init_args: {save_dir: [a, b]}}"
 
 # wrong values of every --trainer.* flag: wrong types, negatives, huge ints, lists where a
 # scalar is expected, strings where a number is; each is refused by the parser, the CLI's own
@@ -71,8 +74,8 @@ WRONG: dict[str, list[str]] = {
     "default_root_dir": ["[a, b]", "{a: 1}", "[]", "{CONFIG}", "{CONFIG}/sub", ""],
     "compile": ["abc", "[1]", "{nope: 1}", "2"],
     "enable_journal": NOT_A_BOOL,
-    "callbacks": ["abc", "3", "[1, 2]", "{a: 1}", "engine.listeners.Nope", LISTENER, CHECKPOINT],
-    "logger": ["abc", "3", "[1]", "{a: 1}", "cliproj.Net", LOGGER],
+    "callbacks": ["abc", "3", "[1, 2]", "engine.listeners.Nope", LISTENER, CHECKPOINT, DIRPATH],
+    "logger": ["abc", "3", "[1]", "{a: 1}", "cliproj.Net", LOGGER, SAVE_DIR],
 }
 # ... and the same for the top-level keys that are not the Trainer's
 WRONG_TOP: dict[str, list[str]] = {
