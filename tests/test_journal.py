@@ -395,3 +395,18 @@ def test_the_journal_reads_losses_to_the_host_once_a_line_not_once_a_step(tmp_pa
     lines = [x for x in Journal.read(tmp_path / "run") if "loss" in x]
     assert len(lines) == 4 and all(len(x["losses"]) == 5 for x in lines)  # 20 steps
     assert with_journal - without <= len(lines), (with_journal, without)
+
+
+def test_a_run_without_a_logger_claims_its_version_so_a_concurrent_one_takes_the_next(
+    tmp_path, monkeypatch
+):
+    # two logger-less fits starting at once into one root both read version 0 as free; the
+    # first to create it owns it, the other's journal goes to version_1 instead of sharing it
+    import engine.loggers.base as base
+
+    (tmp_path / "lightning_logs" / "version_0").mkdir(parents=True)  # the other run's, just made
+    monkeypatch.setattr(base, "next_version", lambda root: 0)  # read before it was made
+    task = _task()
+    _trainer(tmp_path, max_epochs=1).fit(task, task.init(nn.Linear(3, 1)), _data())
+    assert not list((tmp_path / "lightning_logs" / "version_0").iterdir())
+    assert Journal.read(tmp_path / "lightning_logs" / "version_1")[0]["start"]

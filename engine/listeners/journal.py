@@ -548,7 +548,9 @@ def _run_dir(run: RunView) -> Path:
     for lg in run.loggers:
         if getattr(lg, "log_dir", None):
             return Path(lg.log_dir)
-    from engine.loggers.base import next_version
+    from engine.loggers.base import claim_version, next_version
 
+    # claimed (an atomic mkdir): a second run fitting into the same root at once, without a
+    # logger either, takes the next version instead of sharing this journal
     root = Path(run.default_root_dir) / "lightning_logs"
-    return root / f"version_{next_version(root)}"
+    return root / f"version_{claim_version(root, next_version(root))}"
