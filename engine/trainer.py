@@ -439,12 +439,11 @@ class Trainer(FlagViews):
         self.callback_metrics.update(metrics)
         self._version += 1
 
-    def _claim_directories(self) -> None:
+    def _check_directories(self) -> None:
         """At fit start: check that every directory the run writes can be written (each named
-        with the flag that set it), then claim the loggers' run directories (``claim()``: a
-        version another process took meanwhile is not shared), before the listeners read
-        ``log_dir``. The directories are what the loggers and listeners say (``log_dir``,
-        ``dirpath``), and ``default_root_dir`` when any of them may write under it."""
+        with the flag that set it). The directories are what the loggers and listeners say
+        (``log_dir``, ``dirpath``), and ``default_root_dir`` when any of them may write under
+        it. Nothing is created (see :meth:`_claim_directories`)."""
         found: list[tuple[str, str]] = []
         for lg in self.loggers:
             if getattr(lg, "log_dir", None):
@@ -458,9 +457,26 @@ class Trainer(FlagViews):
             root = self.default_root_dir
             found.insert(0, (root, f"Trainer(default_root_dir={root!r})"))
         check_writable(found)
+
+    def _claim_directories(self) -> None:
+        """Claim the loggers' run directories (``claim()``: a version another process took
+        meanwhile is not shared), once the fit's flags and data have been checked (a refused
+        value leaves no directory behind) and before the listeners read ``log_dir``."""
         for lg in self.loggers:
             if callable(getattr(lg, "claim", None)):
                 lg.claim()
+
+    def _check_schedule(self, train_loader: Any, val_loaders: Sequence[Any]) -> None:
+        """Raise what :func:`engine.loop.schedule.val_check_batch` raises for the fit's first
+        epoch (the loop asks again each epoch: a reloaded loader may change its length)."""
+        config = self.config
+        batches = limit_batches("train", count_batches(train_loader), config.limit_train_batches)
+        if batches == 0:  # the loop trains nothing and asks nothing
+            return
+        validates = any(
+            limit_batches("val", count_batches(dl), config.limit_val_batches) for dl in val_loaders
+        )
+        loop.schedule.val_check_batch(config, batches, validates)
 
     def _row_step(self) -> int:
         """The step a row of the run's own is logged at: Lightning's (its loop's
@@ -855,7 +871,7 @@ class Trainer(FlagViews):
                 ``ModelCheckpoint`` listener). ``state`` then gives only the structure (model and
                 optimizer); every value comes from the checkpoint.
         """
-        self._claim_directories()  # before any work: a directory that cannot be written says so
+        self._check_directories()  # before any work: a directory that cannot be written says so
         if datamodule is None and is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
         if datamodule is not None:  # Lightning's protocol: before its loaders are asked for
@@ -893,6 +909,10 @@ class Trainer(FlagViews):
                 "in engine.data.SeededDataset(dataset, seed=...) to seed each sample",
                 stacklevel=2,
             )
+        # what the first epoch's loop would refuse (val_check_interval longer than the epoch)
+        # is refused before the loggers make their run directories
+        self._check_schedule(train_loaders[0], val_loaders)
+        self._claim_directories()
         self._progress = self._progress._replace(  # a checkpoint, if given, restores these
             total_batch_idx=0,
             phase=Phase.BETWEEN,

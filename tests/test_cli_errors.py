@@ -229,11 +229,6 @@ def test_every_wrong_value_of_every_flag_is_one_error_line(project, tmp_path):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Trainer.fit makes lightning_logs/version_0 before the loop checks "
-    "val_check_interval against the number of batches (engine/trainer.py, engine/loop/fit.py)",
-)
 def test_a_value_refused_at_fit_time_makes_no_directory(project, tmp_path):
     done = _engine(
         "fit",
