@@ -194,6 +194,9 @@ def check_compile(value: Any) -> None:
         raise ValueError(
             f"Trainer(compile={value!r}): pass True, False or a dict of torch.compile options"
         )
+    import torch._dynamo  # the names of torch's modes and backends (binds torch locally)
+    import torch._inductor
+
     keywords = [k for k in inspect.signature(torch.compile).parameters if k != "model"]
     for key in value:
         if key not in keywords:
@@ -201,6 +204,40 @@ def check_compile(value: Any) -> None:
                 f"Trainer(compile={value!r}): {key!r} is not a torch.compile option; the dict's "
                 f"keys are among {', '.join(keywords)}"
             )
+    # the values torch would refuse only when the first step is traced, seconds later
+    mode, backend = value.get("mode"), value.get("backend", "inductor")
+    if mode is not None:
+        modes = list(torch._inductor.list_mode_options())
+        if not isinstance(mode, str) or mode not in modes:
+            raise ValueError(
+                f"Trainer(compile={value!r}): mode={mode!r} is not a torch.compile mode; pass "
+                f"one of {', '.join(map(repr, modes))} or leave it out"
+            )
+    if isinstance(backend, str):
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in backends:
+            raise ValueError(
+                f"Trainer(compile={value!r}): backend={backend!r} is not a torch.compile "
+                f"backend here; pass one of {', '.join(map(repr, backends))} or a callable"
+            )
+    elif not callable(backend):
+        raise ValueError(
+            f"Trainer(compile={value!r}): backend={backend!r} must be a backend's name or a "
+            "callable"
+        )
+    for key in ("fullgraph", "disable"):
+        if key in value and not isinstance(value[key], bool):
+            raise ValueError(
+                f"Trainer(compile={value!r}): {key}={value[key]!r} must be True or False"
+            )
+    if (
+        "dynamic" in value
+        and value["dynamic"] is not None
+        and not isinstance(value["dynamic"], bool)
+    ):
+        raise ValueError(
+            f"Trainer(compile={value!r}): dynamic={value['dynamic']!r} must be True, False or None"
+        )
 
 
 def _instance(name: str, value: Any, item: Any) -> None:

@@ -141,6 +141,12 @@ BAD: dict[str, list[object]] = {
         {"mode": "default", 2: 3},
         {"fullgrpah": True},
         {"model": None},
+        {"mode": "nonsense"},
+        {"mode": 3},
+        {"backend": "inductr"},
+        {"backend": 3},
+        {"fullgraph": "yes"},
+        {"dynamic": "auto"},
     ],
     "enable_journal": _BOOL_FLAG,
 }
@@ -311,6 +317,14 @@ def test_a_non_finite_clip_value_is_refused_at_construction_not_at_fit():
 def test_an_unknown_compile_option_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"'fullgrpah' is not a torch.compile option"):
         eg.Trainer(**QUIET, compile={"fullgrpah": True})
+
+
+def test_a_compile_mode_or_backend_torch_lacks_is_refused_at_construction():
+    # torch itself refuses these only when the first step is traced, after the run has started
+    with pytest.raises(ValueError, match=r"mode='nonsense' is not a torch.compile mode.*'default'"):
+        eg.Trainer(**QUIET, compile={"mode": "nonsense"})
+    with pytest.raises(ValueError, match=r"backend='inductr' is not a torch.compile backend"):
+        eg.Trainer(**QUIET, compile={"backend": "inductr"})
 
 
 @pytest.mark.parametrize("value", ["00:01:00:00", timedelta(minutes=5), {"minutes": 5}])
