@@ -10,6 +10,8 @@ CSV under ``--root`` (``tensorboard --logdir runs/digits``).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -102,7 +104,9 @@ def main(argv: list[str] | None = None) -> float:
         f"val loss {trainer.callback_metrics['val/loss']:.4f}; "
         f"test accuracy {acc:.2%}; logs in {trainer.log_dir}"
     )
-    print(f"re-run and verify steps: engine replay {trainer.run_dir} --trust-code --from N --to M")
+    # the `engine` command beside this interpreter (.venv/bin/engine after `make demo`)
+    command = os.path.relpath(os.path.join(os.path.dirname(sys.executable), "engine"))
+    print(f"re-run and verify steps: {command} replay {trainer.run_dir} --trust-code --from N")
     return acc
 
 
