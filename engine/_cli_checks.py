@@ -63,8 +63,8 @@ def yaml_nodes(text: str, limit: int | None = None) -> int:
     Example:
         >>> yaml_nodes("a: [1, 2]")  # the mapping, the key, the list, its two items
         5
-        >>> yaml_nodes("a: &x [1, 2]\\nb: *x")  # the alias counts as the three nodes it names
-        8
+        >>> yaml_nodes("a: &x [1, 2]\\nb: *x")  # the alias adds the three nodes it names
+        9
     """
     try:
         root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))

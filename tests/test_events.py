@@ -214,7 +214,9 @@ def test_a_failed_write_deletes_nothing(tmp_path, monkeypatch):
         lambda rec: eg.Save(tmp_path / "new", asynchronous=True, replaces=keep),
         once=1,
     )
-    _fit([once], max_epochs=1)
+    # the failure is not silent (issue 16): it fails the fit, naming the save and the cause
+    with pytest.raises(checkpoint.CheckpointError, match=r"save of checkpoint .*new.*disk full"):
+        _fit([once], max_epochs=1)
     assert (keep / "meta.json").is_file() and not (tmp_path / "new").exists()
 
 

@@ -314,6 +314,13 @@ class ModelCheckpoint(Listener):
         if error is None:
             return
         kind, before, score = change
+        if kind in ("latest", "last"):
+            # a later save that replaced this one (still in flight) replaces what it replaced:
+            # if that one fails too, the name goes back to a checkpoint that is on disk
+            for later in self._unsettled.values():
+                for i, (k, b, s) in enumerate(later):
+                    if k == kind and b == path:
+                        later[i] = (k, before, s)
         if kind == "top_k":
             self.best_k_models.pop(path, None)
             k = self.save_top_k
