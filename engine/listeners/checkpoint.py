@@ -318,9 +318,9 @@ class ModelCheckpoint(Listener):
             # a later save that replaced this one (still in flight) replaces what it replaced:
             # if that one fails too, the name goes back to a checkpoint that is on disk
             for later in self._unsettled.values():
-                for i, (k, b, s) in enumerate(later):
-                    if k == kind and b == path:
-                        later[i] = (k, before, s)
+                for i, (later_kind, replaced, later_score) in enumerate(later):
+                    if later_kind == kind and replaced == path:
+                        later[i] = (later_kind, before, later_score)
         if kind == "top_k":
             self.best_k_models.pop(path, None)
             k = self.save_top_k
