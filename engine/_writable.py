@@ -5,16 +5,21 @@ wrong for the usual causes (a full disk, a read-only or forbidden directory), ke
 ``errno``. :func:`check_writable` is the check a fit makes before its first step on every
 directory it will write, each with the flag that set it, so a directory that cannot be written
 is an error before any work rather than after N steps of it.
+
+:func:`append_whole` and :func:`replace_whole` are the two ways the journal and the loggers
+write: whole lines appended to an open file (a failed write cut back, so no line is torn) and
+whole files replaced by rename (a reader sees the old file or the new one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import tempfile
 from collections.abc import Iterable
 
-__all__ = ["check_writable", "explain"]
+__all__ = ["append_whole", "check_writable", "explain", "replace_whole"]
 
 _WHY = {
     errno.ENOSPC: "the disk is full (no space left on device)",
@@ -45,6 +50,38 @@ def explain(error: OSError, path: str | os.PathLike[str], doing: str = "write") 
     else:
         why += "; write to a directory you can write to"
     return OSError(error.errno, f"could not {doing} {os.fspath(path)}: {why}")
+
+
+def append_whole(fd: int, data: bytes, size: int) -> None:
+    """Append all of ``data`` to the open file ``fd``, which holds ``size`` bytes: a raw write
+    may write part of it (a filling disk), so it is continued; one that fails cuts the file
+    back to ``size`` and raises the ``OSError``, so no line is ever torn."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        with contextlib.suppress(OSError):  # the write's error is the one to report
+            os.ftruncate(fd, size)
+        raise
+
+
+def replace_whole(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` by a file holding ``data``: written to a temporary file beside it, then
+    renamed over it. A failed write leaves ``path`` as it was, removes the temporary file and
+    raises the ``OSError``."""
+    tmp = f"{os.fspath(path)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            append_whole(fd, data, 0)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def _nearest_existing(path: str) -> str:

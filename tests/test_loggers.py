@@ -419,38 +419,20 @@ def test_csv_on_a_full_disk_says_so_and_keeps_whole_rows(small_disk):
     assert len(_parsed(lg.metrics_file)) > len(rows)
 
 
-class _FailingFile:
-    """A text file whose write writes half its text, then fails as a full disk does."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def write(self, text):
-        self.f.write(text[: len(text) // 2])
-        self.f.flush()
-        raise OSError(28, "No space left on device")
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
-
-
 def _failing_open(monkeypatch, when):
-    """``open`` in the loggers failing (``_FailingFile``) for files ``when(path)`` says."""
-    import builtins
+    """Writes to the files ``when(path)`` says fail as a full disk does: half the bytes are
+    written, then ``ENOSPC`` (the loggers write through ``os.write``)."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd to tell which file a descriptor writes")
+    real = os.write
 
-    import engine.loggers.base as base
+    def write(fd, data):
+        if when(os.readlink(f"/proc/self/fd/{fd}")):
+            real(fd, bytes(data[: len(data) // 2]))
+            raise OSError(28, "No space left on device")
+        return real(fd, data)
 
-    def fake(path, mode="r", *args, **kwargs):
-        f = builtins.open(path, mode, *args, **kwargs)  # noqa: SIM115 (closed by its user)
-        return _FailingFile(f) if "r" not in mode and when(str(path)) else f
-
-    monkeypatch.setattr(base, "open", fake, raising=False)
+    monkeypatch.setattr(os, "write", write)
 
 
 @pytest.mark.parametrize("wider", [False, True], ids=["append", "rewrite-wider-header"])

@@ -39,6 +39,7 @@ from typing import IO, Any, NoReturn
 import torch
 
 from engine import checkpoint
+from engine._writable import append_whole, replace_whole
 from engine.events import EventRecord, Listener, RunView, Save
 
 __all__ = ["Journal", "JournalError", "JournalWriteError"]
@@ -391,16 +392,11 @@ class Journal(Listener):
         (a full disk) is cut back to the lines before it and raises :class:`JournalWriteError`."""
         assert self._file is not None and self.dirpath is not None
         data = (json.dumps(line) + "\n").encode()
-        fd = self._file.fileno()
-        written = 0
-        try:
-            while written < len(data):  # a short write (a filling disk) is continued, or fails
-                written += os.write(fd, data[written:])
+        try:  # no torn line: a failed write is cut back, the journal ends whole
+            append_whole(self._file.fileno(), data, self._size)
         except OSError as e:
-            with contextlib.suppress(OSError):  # no torn line: the journal ends whole
-                os.ftruncate(fd, self._size)
             _refuse_write(self.dirpath / JOURNAL, e, f"its line of step {line.get('step')}")
-        self._size += written
+        self._size += len(data)
 
     def _write_landed(self, *, wait: bool) -> None:
         """Write the lines of the asynchronous checkpoints that are on disk (all of them, once
@@ -507,12 +503,9 @@ def _refuse_write(path: Path, error: OSError, what: str) -> NoReturn:
 
 def _write_file(path: Path, payload: bytes) -> None:
     """Write ``path`` whole or not at all (a temporary file, then renamed)."""
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_bytes(payload)
-        os.replace(tmp, path)
+        replace_whole(path, payload)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         _refuse_write(path, e, f"{len(payload)} bytes")
 
 

@@ -17,7 +17,6 @@ same ``N`` still share it).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
@@ -25,7 +24,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from engine._writable import explain
+from engine._writable import append_whole as _append
+from engine._writable import explain, replace_whole
 
 __all__ = [
     "Logger",
@@ -410,14 +410,9 @@ def write_atomically(path: str, text: str) -> None:
     it, then renamed over it, so a reader sees the old file or the new one, never part of
     one. A failed write (a full disk) leaves the old file as it was and raises an ``OSError``
     that names ``path`` and says what is wrong."""
-    tmp = f"{path}.tmp"
     try:
-        with open(tmp, "wb", buffering=0) as f:
-            _write_all(f, text.encode("utf-8"))
-        os.replace(tmp, path)
+        replace_whole(path, text.encode("utf-8"))
     except OSError as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         raise explain(e, path, "write") from e
 
 
@@ -426,22 +421,13 @@ def append_whole(path: str, text: str) -> None:
     file cut back to what it held, so no line is ever torn, and raises an ``OSError`` that
     names ``path`` and says what is wrong."""
     try:
-        with open(path, "ab", buffering=0) as f:  # unbuffered: nothing left to fail at close
-            size = f.seek(0, os.SEEK_END)
-            try:
-                _write_all(f, text.encode("utf-8"))
-            except OSError:
-                f.truncate(size)
-                raise
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            _append(fd, text.encode("utf-8"), os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise explain(e, path, "write") from e
-
-
-def _write_all(f: Any, data: bytes) -> None:
-    """All of ``data`` to the unbuffered file ``f`` (a raw write may write part of it)."""
-    view = memoryview(data)
-    while view:
-        view = view[f.write(view) :]
 
 
 def _as_params(params: Any) -> dict[str, Any]:
