@@ -548,12 +548,6 @@ def _overwritten(path: Path, where: str, why: str) -> str:
 # --------------------------------------------------------------------------- the journal, checked
 
 
-def _order(line: Mapping[str, Any]) -> tuple[int, int, int, int]:
-    """A line's position; positions compare in the order a fit passes them (within a step: its
-    batch end, the micro-batches of the next window, the next epoch's start)."""
-    return _line_key(line)
-
-
 class _Lines:
     """The journal's lines, each checked, with their line numbers and the run's recorded end."""
 
