@@ -32,11 +32,9 @@ from engine._profiling import Profiler
 from engine._resume import Checkpointer, RunRecord, SignalCatcher, _is
 from engine._writable import check_writable
 from engine.data import (
-    batch_size,
     count_batches,
     is_datamodule,
     limit_batches,
-    lookahead,
     order_outside_the_state,
     randomness_outside_the_state,
     resolve_loaders,
@@ -55,9 +53,10 @@ from engine.events import (
     _moved,
 )
 from engine.loop import Phase
+from engine.loop import evaluate as eval_loops
 from engine.loop.fit import fit as fit_loop
+from engine.loop.flags import resolve
 from engine.loop.progress import Progress
-from engine.metrics import metric_name
 from engine.optim import clip_by_global_norm, clip_by_value
 from engine.state import TrainState
 from engine.task import Task
@@ -149,7 +148,7 @@ class Trainer(FlagViews):
     ) -> None:
         flags = {name: value for name, value in locals().items() if name != "self"}
         # every flag checked and resolved, once; the loop and the listeners read this record
-        self.config = loop.resolve(**flags)
+        self.config = resolve(**flags)
         plugged = (
             ()
             if plugins is None
@@ -881,14 +880,20 @@ class Trainer(FlagViews):
         # sanity check will run on them (before training starts), else the training loader
         val_first = self.num_sanity_val_steps > 0 and self.limit_val_batches and ckpt_path is None
         if val_first:
-            val_loaders = resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
-        train_loaders = resolve_loaders("fit", train_dataloaders, datamodule, "train_dataloader")
+            val_loaders = self._prepare_loaders(
+                "val", resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
+            )
+        train_loaders = self._prepare_loaders(
+            "train", resolve_loaders("fit", train_dataloaders, datamodule, "train_dataloader")
+        )
         if len(train_loaders) != 1:
             raise ValueError(
                 f"Trainer.fit() takes exactly one training dataloader (got {len(train_loaders)})"
             )
         if not val_first:
-            val_loaders = resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
+            val_loaders = self._prepare_loaders(
+                "val", resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
+            )
         self.train_dataloader, self.datamodule = train_loaders[0], datamodule
         if order_outside_the_state(train_loaders[0]):
             warnings.warn(
@@ -1030,20 +1035,21 @@ class Trainer(FlagViews):
                 lg.log_hyperparams(dict(task.hparams))
         self._emit(Event.ON_FIT_START)
 
+        eval_run = None if evaluate is None else _EvalRun(self, evaluate)
         self._val_loaded_at = None
         sanity = [min(self.num_sanity_val_steps, n) for n in self.num_val_batches]
-        if enable_validation and sum(sanity) > 0:
-            self.sanity_checking = True
-            self._emit(Event.ON_SANITY_CHECK_START)
-            self._evaluate("validation", evaluate, val_loaders, sanity, log=False)
-            self._emit(Event.ON_SANITY_CHECK_END)
+        if eval_run is not None and enable_validation and sum(sanity) > 0:
+            self.sanity_checking = True  # the listeners' view says so, around the events too
+            self._state, self._progress = eval_loops.sanity_check(
+                eval_run, self._state, self._progress, val_loaders, sanity
+            )
             self.sanity_checking = False
             self._val_loaded_at = self.current_epoch
 
         progress = self._progress
         if progress.reducer is None:  # else restored by a resume
             progress = progress._replace(reducer=task.reducer())
-        run = _FitRun(self, step, evaluate, val_loaders, dm)
+        run = _FitRun(self, step, eval_run, val_loaders, dm)
         self._state, self._progress = fit_loop(
             self.config,
             run,
@@ -1062,7 +1068,9 @@ class Trainer(FlagViews):
         if self._val_loaded_at is None:
             self._val_loaded_at = epoch
         elif n and dm is not None and epoch - self._val_loaded_at >= n:
-            val_loaders = resolve_loaders("fit", None, dm, "val_dataloader")
+            val_loaders = self._prepare_loaders(
+                "val", resolve_loaders("fit", None, dm, "val_dataloader")
+            )
             self.num_val_batches = [
                 limit_batches("val", count_batches(dl), self.limit_val_batches)
                 for dl in val_loaders
@@ -1085,54 +1093,18 @@ class Trainer(FlagViews):
                 self.progress_bar_metrics[k] = v
         self._version += 1
 
-    # ------------------------------------------------------------------ evaluation loops
+    # ------------------------------------------------------------------ loaders
 
-    def _evaluate(
-        self,
-        kind: str,
-        step: Any,
-        loaders: list[Any],
-        limits: Sequence[float],
-        *,
-        log: bool,
-    ) -> list[dict[str, float]]:
-        ev = _EVAL_EVENTS[kind]
-        prefix = "val" if kind == "validation" else kind
-        self._emit(ev["start"])
-        self._emit(ev["epoch_start"])
-        assert self._state is not None and self.task is not None
-        results: list[dict[str, float]] = []
-        for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
-            reducer = self.task.reducer()
-            for batch_idx, batch, _, _ in lookahead(loader, limit):
-                batch = self._transforms.move(batch)
-                self._emit_batch(
-                    ev["batch_start"], batch=batch, batch_idx=batch_idx, dataloader_idx=dl_idx
-                )
-                metrics = step(self._state, batch)
-                reducer.update(metrics, batch_size(batch))
-                self._emit_batch(
-                    ev["batch_end"],
-                    outputs=metrics,
-                    batch=batch,
-                    batch_idx=batch_idx,
-                    dataloader_idx=dl_idx,
-                )
-            suffix = f"/dataloader_idx_{dl_idx}" if len(loaders) > 1 else ""
-            computed = reducer.compute()
-            results.append({f"{metric_name(prefix, k)}{suffix}": v for k, v in computed.items()})
-        if log and not self.sanity_checking:
-            merged = {k: v for r in results for k, v in r.items()}
-            self.log_metrics(merged)
-            self._update_prog_bar(merged)
-        if self._progress.phase is Phase.VALIDATION:
-            # fit's validation has its results: a resume keeps them
-            self._progress = self._progress._replace(phase=Phase.VALIDATED)
-        self._emit(ev["epoch_end"])
-        if self._progress.phase is Phase.VALIDATED:  # ... and its epoch end has been dispatched
-            self._progress = self._progress._replace(phase=Phase.VALIDATION_END)
-        self._emit(ev["end"])
-        return results
+    def _prepare_loaders(self, stage: str, loaders: list[Any]) -> list[Any]:
+        """The loaders of ``stage`` (``"train"``, ``"val"``, ``"test"``, ``"predict"``) as the
+        run reads them: every resolved loader list passes through here before its batches are
+        counted or read (fit's, the validation and training loaders
+        ``reload_dataloaders_every_n_epochs`` fetches, validate's, test's and predict's). The
+        strategy's seam (a data-parallel one gives each process its shard); in one process,
+        the loaders as given."""
+        return loaders
+
+    # ------------------------------------------------------------------ evaluation entry points
 
     def validate(
         self,
@@ -1180,7 +1152,10 @@ class Trainer(FlagViews):
             setup_datamodule(datamodule, stage, self)
         self.datamodule = datamodule
         self._datamodule_first(ckpt_path, datamodule)
-        loaders = resolve_loaders(stage, dataloaders, datamodule, method)
+        loaders = self._prepare_loaders(
+            "val" if kind == "validation" else "test",
+            resolve_loaders(stage, dataloaders, datamodule, method),
+        )
         if not loaders:
             raise ValueError(
                 f"Trainer.{stage}() needs dataloaders= or a datamodule with {method}()"
@@ -1198,7 +1173,10 @@ class Trainer(FlagViews):
                     transforms=self._transforms, inference_mode=self.inference_mode
                 ),
             )
-            results = self._evaluate(kind, step, loaders, limits, log=True)
+            assert self._state is not None  # placed by _run
+            self._state, self._progress, results = eval_loops.evaluate(
+                kind, _EvalRun(self, step), self._state, self._progress, loaders, limits, log=True
+            )
         if verbose and not self.barebones:
             _print_results(stage, results)
         return results
@@ -1219,7 +1197,9 @@ class Trainer(FlagViews):
             setup_datamodule(datamodule, "predict", self)
         self.datamodule = datamodule
         self._datamodule_first(ckpt_path, datamodule)
-        loaders = resolve_loaders("predict", dataloaders, datamodule, "predict_dataloader")
+        loaders = self._prepare_loaders(
+            "predict", resolve_loaders("predict", dataloaders, datamodule, "predict_dataloader")
+        )
         if not loaders:
             raise ValueError(
                 "Trainer.predict() needs dataloaders= or a datamodule with predict_dataloader()"
@@ -1230,55 +1210,29 @@ class Trainer(FlagViews):
         ]
         self.num_predict_batches = limits
         keep = return_predictions is not False
-        outputs: list[list[Any]] = []
         with self._run("predict", task, state, ckpt_path, datamodule):
             step = self._profiler.timed(
                 "predict_step",
                 task.predict_step(transforms=self._transforms, inference_mode=self.inference_mode),
             )
-            self._emit(Event.ON_PREDICT_START)
-            self._emit(Event.ON_PREDICT_EPOCH_START)
-            for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
-                outs: list[Any] = []
-                for batch_idx, batch, _, _ in lookahead(loader, limit):
-                    batch = self._transforms.move(batch)
-                    self._emit_batch(
-                        Event.ON_PREDICT_BATCH_START,
-                        batch=batch,
-                        batch_idx=batch_idx,
-                        dataloader_idx=dl_idx,
-                    )
-                    out = step(self._state, batch)
-                    if keep:
-                        outs.append(out)
-                    self._emit_batch(
-                        Event.ON_PREDICT_BATCH_END,
-                        outputs=out,
-                        batch=batch,
-                        batch_idx=batch_idx,
-                        dataloader_idx=dl_idx,
-                    )
-                outputs.append(outs)
-            self._emit(Event.ON_PREDICT_EPOCH_END)
-            self._emit(Event.ON_PREDICT_END)
+            assert self._state is not None  # placed by _run
+            self._state, self._progress, outputs = eval_loops.predict(
+                _EvalRun(self, step), self._state, self._progress, loaders, limits, keep=keep
+            )
         if not keep:
             return None
         return outputs[0] if len(outputs) == 1 else outputs
 
 
-class _FitRun:
-    """The Trainer's services to one fit loop (:class:`engine.loop.fit.FitServices`): each call
-    records the state and progress the loop hands over (``trainer._state`` /
-    ``trainer._progress``: the listeners' view, ``trainer.state`` and checkpoints read them)
-    and returns them as the listeners' requests left them."""
+class _Services:
+    """What the Trainer's services to its loops share: each call records the state and
+    progress the loop hands over (``trainer._state`` / ``trainer._progress``: the listeners'
+    view, ``trainer.state`` and checkpoints read them) and returns them as the listeners'
+    requests left them."""
 
-    def __init__(
-        self, trainer: Trainer, step: Any, evaluate: Any, val_loaders: list[Any], dm: Any
-    ) -> None:
-        self.trainer, self.train_step, self.evaluate = trainer, step, evaluate
-        self.val_loaders, self.dm = val_loaders, dm
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
         self.move = trainer._transforms.move
-        self.reported_nonfinite = False  # a non-finite training loss is reported once a fit
 
     def emit(
         self, event: Event, state: TrainState, progress: Progress, **fields: Any
@@ -1300,6 +1254,55 @@ class _FitRun:
         t._state, t._progress = state, progress
         emit(event, **fields)
         return t._state, t._progress
+
+
+class _EvalRun(_Services):
+    """The Trainer's services to one evaluation loop (:class:`engine.loop.evaluate.EvalServices`),
+    around its evaluation or prediction ``step``."""
+
+    def __init__(self, trainer: Trainer, step: Any) -> None:
+        super().__init__(trainer)
+        self._step = step
+
+    def step(self, state: TrainState, batch: Any) -> Any:
+        return self._step(state, batch)
+
+    def reducer(self) -> Any:
+        assert self.trainer.task is not None
+        return self.trainer.task.reducer()
+
+    def compute(self, reducer: Any) -> dict[str, float]:
+        # every evaluation epoch's metrics, computed here: one process's are the run's
+        return reducer.compute()
+
+    def log(self, state: TrainState, progress: Progress, metrics: dict[str, float]) -> None:
+        t = self.trainer
+        t._state, t._progress = state, progress  # the row's step is the state's
+        t.log_metrics(metrics)
+        t._update_prog_bar(metrics)
+
+
+class _FitRun(_Services):
+    """The Trainer's services to one fit loop (:class:`engine.loop.fit.FitServices`); its
+    validations run :func:`engine.loop.evaluate.evaluate` through ``eval_run``."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        step: Any,
+        eval_run: _EvalRun | None,
+        val_loaders: list[Any],
+        dm: Any,
+    ) -> None:
+        super().__init__(trainer)
+        self.train_step, self.eval_run = step, eval_run
+        self.val_loaders, self.dm = val_loaders, dm
+        self.reported_nonfinite = False  # a non-finite training loss is reported once a fit
+
+    def reload_train_loader(self, state: TrainState, progress: Progress) -> Any:
+        # the datamodule's train_dataloader() again (reload_dataloaders_every_n_epochs)
+        loaders = resolve_loaders("fit", None, self.dm, "train_dataloader")
+        return self.trainer._prepare_loaders("train", loaders)[0]
 
     def step(
         self, state: TrainState, progress: Progress, batch: Any, *, flush: bool
@@ -1345,8 +1348,17 @@ class _FitRun:
         t = self.trainer
         t._state, t._progress = state, progress
         self.val_loaders = t._reload_val_loaders(self.val_loaders, self.dm)
-        t._evaluate("validation", self.evaluate, self.val_loaders, t.num_val_batches, log=True)
-        return t._state, t._progress
+        assert self.eval_run is not None  # fit validates only with validation loaders
+        state, progress, _ = eval_loops.evaluate(
+            "validation",
+            self.eval_run,
+            state,
+            progress,
+            self.val_loaders,
+            t.num_val_batches,
+            log=True,
+        )
+        return state, progress
 
     def check_signal(self, state: TrainState, progress: Progress) -> None:
         t = self.trainer
@@ -1412,18 +1424,6 @@ def _check_custom_step(trainer: Trainer) -> None:
 
 
 _STEP_EVENTS = (Event.ON_BEFORE_BACKWARD, Event.ON_AFTER_BACKWARD, Event.ON_BEFORE_OPTIMIZER_STEP)
-
-_EVAL_EVENTS = {
-    kind: {
-        "start": Event[f"ON_{name}_START"],
-        "epoch_start": Event[f"ON_{name}_EPOCH_START"],
-        "batch_start": Event[f"ON_{name}_BATCH_START"],
-        "batch_end": Event[f"ON_{name}_BATCH_END"],
-        "epoch_end": Event[f"ON_{name}_EPOCH_END"],
-        "end": Event[f"ON_{name}_END"],
-    }
-    for kind, name in (("validation", "VALIDATION"), ("test", "TEST"))
-}
 
 
 def _print_results(stage: str, results: list[dict[str, float]]) -> None:

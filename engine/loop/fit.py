@@ -23,7 +23,6 @@ from engine.data import (
     limit_batches,
     lookahead,
     position_loader,
-    resolve_loaders,
     restore_loader,
     seed_batches,
     seed_shuffle,
@@ -67,6 +66,11 @@ class FitServices(Protocol):
 
     def log(self, state: TrainState, metrics: Mapping[str, float]) -> None:
         """Host-side training metrics to the loggers and the progress bar."""
+        ...
+
+    def reload_train_loader(self, state: TrainState, progress: Progress) -> Any:
+        """The training loader fetched again (``reload_dataloaders_every_n_epochs``), prepared
+        as every loader of the run is."""
         ...
 
     def validate(self, state: TrainState, progress: Progress) -> tuple[TrainState, Progress]:
@@ -121,7 +125,7 @@ def fit(
             if last_reload is None:
                 last_reload = epoch
             elif _reloads(config, datamodule, epoch - last_reload):
-                train_loader = resolve_loaders("fit", None, datamodule, "train_dataloader")[0]
+                train_loader = run.reload_train_loader(state, progress)
                 last_reload = epoch
             batches = limit_batches(
                 "train", count_batches(train_loader), config.limit_train_batches
