@@ -11,6 +11,7 @@ journaled run and checks it bitwise.
 
 from engine import checkpoint, data, listeners, loggers, optim, rng, transforms
 from engine._replay import Divergence, ReplayError, ReplayReport, UntrustedCodeError, replay
+from engine._version import __version__
 from engine.events import (
     Event,
     EventRecord,
@@ -45,8 +46,6 @@ from engine.step import (
 )
 from engine.task import Task
 from engine.trainer import Trainer
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CSVLogger",

@@ -54,7 +54,7 @@ try:
 except ImportError:  # not POSIX: leftovers cannot be told from saves in progress
     fcntl = None  # type: ignore[assignment]
 
-from engine import _meta, _tree
+from engine import _meta, _tree, _version
 from engine._checksum import (
     _SCHEMES,
     _WRITER,
@@ -1692,9 +1692,7 @@ def from_lightning(
 
 
 def _engine_version() -> str:
-    from engine import __version__
-
-    return __version__
+    return _version.__version__
 
 
 def _jsonable(value: Any, what: str) -> Any:
