@@ -1,8 +1,8 @@
 """Checks of the Trainer's Lightning-style flags (private), and the resolved flags as the
 Trainer's attributes.
 
-Every flag is checked at construction (by :func:`engine.loop.resolve`); an error names the flag,
-the value and what is accepted.
+Every flag is checked at construction (by :func:`engine.loop.flags.resolve`); an error names
+the flag, the value and what is accepted.
 """
 
 from __future__ import annotations

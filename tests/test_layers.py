@@ -105,3 +105,59 @@ def test_listeners_and_events_know_nothing_of_the_trainer():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute):
                 assert node.attr not in reaching, f"{path.name}:{node.lineno}: .{node.attr}"
+
+
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules importing ``start`` runs: its imports, transitively, with the packages
+    above each one (their ``__init__`` runs first), the package face ``engine`` aside."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        parts = mod.split(".")
+        todo.extend(graph[mod])
+        todo.extend(p for i in range(2, len(parts)) if (p := ".".join(parts[:i])) in graph)
+    return seen
+
+
+def test_the_listeners_reach_neither_the_flag_resolution_nor_the_driver():
+    """A listener reads the resolved flags (``engine.loop.config``) and the schedule: importing
+    one runs neither the flag checks (``engine.loop.flags``, ``engine._config``) nor the
+    Trainer, so ``engine.loop``'s face imports only the values and the schedule."""
+    graph = import_graph()
+    driver = {"engine.trainer", "engine._config", "engine.loop.flags", "engine._resume"}
+    assert "engine.loop.schedule" in reached(graph, "engine.listeners.checkpoint")  # read
+    for mod in graph:
+        if mod.startswith("engine.listeners"):
+            found = reached(graph, mod)
+            assert not found & driver, (mod, sorted(found & driver))
+
+
+def test_the_reach_follows_imports_and_the_packages_above_them():
+    graph = {
+        "engine.a": {"engine.p.b"},
+        "engine.p": {"engine.p.c"},
+        "engine.p.b": set(),
+        "engine.p.c": set(),
+        "engine.d": set(),
+    }
+    assert reached(graph, "engine.a") == {"engine.a", "engine.p", "engine.p.b", "engine.p.c"}
+
+
+def test_no_module_reads_a_name_from_the_package_face():
+    """``engine/__init__.py`` imports every layer (the Trainer too): a module of the package
+    that takes a name from it (``from engine import __version__``) depends on all of them.
+    ``from engine import <submodule>`` is an import of that submodule and is fine."""
+    modules = set(import_graph())
+    for path in ENGINE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "engine" and not node.level:
+                names = [a.name for a in node.names if f"engine.{a.name}" not in modules]
+                assert not names, f"{path.relative_to(ENGINE.parent)}:{node.lineno}: {names}"
+    import engine
+    from engine import _version
+
+    assert engine.__version__ == _version.__version__

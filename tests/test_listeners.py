@@ -37,7 +37,7 @@ from engine.listeners import (
 )
 from engine.listeners import timer as timer_module
 from engine.listeners.summary import _readable
-from engine.loop import resolve
+from engine.loop.flags import resolve
 
 # ---------------------------------------------------------------------- a fake fit loop
 

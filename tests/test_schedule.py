@@ -26,7 +26,8 @@ from torch import nn
 
 import engine as eg
 from engine import checkpoint, optim
-from engine.loop import LoopConfig, Phase, resolve, schedule
+from engine.loop import LoopConfig, Phase, schedule
+from engine.loop.flags import resolve
 
 INF = math.inf
 QUIET = {"enable_progress_bar": False, "enable_model_summary": False, "logger": False}

@@ -1,8 +1,8 @@
 """The Trainer's flags as resolved: the frozen :class:`LoopConfig`.
 
-:func:`engine.loop.resolve` (``engine/loop/flags.py``) checks the flags and builds it once; the
-loop and the listeners (through ``rec.run.config``) read it, nothing writes it. This module
-imports nothing of engine's, so any layer may name the type.
+:func:`engine.loop.flags.resolve` checks the flags and builds it once; the loop and the
+listeners (through ``rec.run.config``) read it, nothing writes it. This module imports nothing
+of engine's, so any layer may name the type.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class LoopConfig:
         ``extra.config`` and a run directory as ``config.json``. ``max_time`` is in seconds.
 
         Example:
-            >>> from engine.loop import resolve
+            >>> from engine.loop.flags import resolve
             >>> config = resolve(max_steps=10, compile={"mode": "max-autotune"}).to_json()
             >>> config["max_epochs"], config["max_steps"], config["compile"]
             (-1, 10, {'mode': 'max-autotune'})

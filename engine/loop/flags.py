@@ -79,7 +79,7 @@ def resolve(
         ValueError: naming the first flag with a value it does not accept.
 
     Example:
-        >>> from engine.loop import resolve
+        >>> from engine.loop.flags import resolve
         >>> config = resolve(max_steps=100, num_sanity_val_steps=-1)
         >>> config.max_epochs, config.num_sanity_val_steps, config.limit_train_batches
         (-1, inf, 1.0)
