@@ -40,6 +40,8 @@ __all__ = [
     "seed_batches",
     "seed_shuffle",
     "setup_datamodule",
+    "shard_loader",
+    "shard_start",
     "state_from_json",
     "state_to_json",
     "stateful",
@@ -429,7 +431,7 @@ _SEEDED = "_engine_seeded"  # marks a RandomSampler whose generator the Trainer 
 
 
 def _random_sampler(loader: Any) -> torch.utils.data.RandomSampler | None:
-    batch_sampler = getattr(loader, "batch_sampler", None)
+    batch_sampler = _user_batch_sampler(loader)
     for s in (getattr(loader, "sampler", None), _base(getattr(batch_sampler, "sampler", None))):
         if isinstance(s, torch.utils.data.RandomSampler):
             return s
@@ -500,14 +502,31 @@ def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
 
 def restore_loader(loader: Any) -> None:
     """Undo what a fit did to ``loader``: :func:`seed_shuffle`'s generator (the sampler draws
-    from torch's global generator again), :func:`seed_batches`' keys and dataset hook, and
-    :func:`position_loader`'s skipping."""
+    from torch's global generator again), :func:`seed_batches`' keys and dataset hook,
+    :func:`position_loader`'s skipping and :func:`shard_loader`'s shard, whichever of them were
+    done and in whatever order."""
     s = _random_sampler(loader)
     if s is not None and getattr(s, _SEEDED, False):
         s.generator = None
         delattr(s, _SEEDED)
     _unskip(loader)
     _unkey(loader)
+    _unshard(loader)
+
+
+def _unshard(loader: Any) -> None:
+    """Undo :func:`shard_loader`: take its wrapper out of the chain, wherever it is."""
+    bs = getattr(loader, "batch_sampler", None)
+    if isinstance(bs, _ShardBatches):
+        _set_batch_sampler(loader, bs.batch_sampler)
+        return
+    parent = bs
+    while isinstance(getattr(parent, "sampler", None), _WRAPPERS):
+        child = parent.sampler  # type: ignore[union-attr]
+        if isinstance(child, _Shard):
+            parent.sampler = child.sampler  # type: ignore[union-attr]
+            return
+        parent = child
 
 
 class _SkipFirst(Sampler[Any]):
@@ -563,7 +582,10 @@ def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:
     other ``DataLoader`` over a map-style dataset with a ``batch_size`` skips by drawing the
     skipped batches' indices and dropping them, so no sample is loaded for them and the order
     that follows is the uninterrupted epoch's (:func:`restore_loader` puts its sampler back).
-    Other loaders (iterables, iterable datasets, custom batch samplers) cannot skip.
+    A loader :func:`shard_loader` sharded skips by starting its shard at global position
+    ``skip_batches * batch_size * world_size`` (``skip_batches * world_size`` global batches
+    for a custom batch sampler): ``skip_batches`` counts this rank's batches. Other loaders
+    (iterables, iterable datasets, custom batch samplers) cannot skip.
 
     Example:
         >>> from torch.utils.data import DataLoader
@@ -584,6 +606,13 @@ def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:
         if callable(set_epoch):
             set_epoch(epoch)
     _unskip(loader)  # what skipped the last resumed epoch's first batches
+    shard = _shard_of(loader)
+    if isinstance(shard, _ShardBatches):  # sharded by whole batches: starts at a global batch
+        shard.start = skip_batches * shard.world
+        return True
+    if shard is not None:  # it draws the base's whole order: the base starts at 0
+        shard.start = skip_batches * shard.batch_sampler.batch_size * shard.world
+        return True
     if not skip_batches:
         return True
     if isinstance(sampler, ShuffleSampler):
@@ -592,6 +621,226 @@ def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:
             sampler.set_start(skip_batches * size)
             return True
     return _skip_by_index(loader, skip_batches)
+
+
+# ---------------------------------------------------------------- sharding across ranks
+
+
+def _dealt(n: int, world: int, pad: bool, drop_last: bool) -> int:
+    """How many positions of an order of ``n`` items are dealt out to ``world`` ranks: padded
+    up to a multiple of ``world`` (``pad``), cut down to one (``drop_last`` without ``pad``:
+    every rank then drops the same number of batches), else all of them."""
+    if pad:
+        return -(-n // world) * world
+    return n // world * world if drop_last else n
+
+
+def _deal(order: list[Any], total: int, start: int, rank: int, world: int) -> list[Any]:
+    """Positions ``start + rank, start + rank + world, ...`` below ``total`` of ``order``
+    repeated from its start as often as it takes to reach ``total`` (DistributedSampler's
+    padding)."""
+    if total > len(order) and order:
+        order = (order * -(-total // len(order)))[:total]
+    return order[start + rank : total : world]
+
+
+def _check_start(start: int, world: int, what: str) -> None:
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start % world:
+        raise ValueError(
+            f"a shard over {world} ranks starts at a global {what} position that is an int >= 0 "
+            f"and a multiple of the world size {world} (got {start!r}); convert the position "
+            "saved at another world size to a whole number of this world size's global batches"
+        )
+
+
+class _Shard(Sampler[Any]):
+    """Wraps the sampler of a ``BatchSampler``: rank ``rank`` of ``world``'s share of its order.
+
+    Each pass draws the wrapped sampler's whole order (the same on every rank: a seeded
+    ``RandomSampler``, a :class:`ShuffleSampler`, a ``SequentialSampler``), pads or cuts it
+    (:func:`_dealt`) and yields its global positions ``start + rank, start + rank + world, ...``
+    ``start`` is a global position, a multiple of ``world``; the length is the rank's whole
+    epoch's, as ``ShuffleSampler``'s during a resumed epoch.
+    """
+
+    def __init__(self, batch_sampler: Any, sampler: Any, rank: int, world: int, pad: bool) -> None:
+        self.batch_sampler, self.sampler = batch_sampler, sampler
+        self.rank, self.world, self.pad = rank, world, pad
+        self.start = 0
+
+    def _total(self, n: int) -> int:
+        return _dealt(n, self.world, self.pad, bool(self.batch_sampler.drop_last))
+
+    def __iter__(self) -> Iterator[Any]:
+        order = list(self.sampler)
+        total = self._total(len(order))
+        return iter(_deal(order, total, self.start, self.rank, self.world))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self._total(len(self.sampler)), self.world))
+
+
+class _ShardBatches(Sampler[Any]):
+    """A ``DataLoader``'s custom batch sampler, sharded: rank ``rank`` of ``world`` takes its
+    batches ``start + rank, start + rank + world, ...`` (``pad``: repeated from the first batch
+    up to a multiple of ``world``). ``start`` counts global batches."""
+
+    def __init__(self, batch_sampler: Any, rank: int, world: int, pad: bool) -> None:
+        self.batch_sampler = batch_sampler
+        self.rank, self.world, self.pad = rank, world, pad
+        self.start = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = list(self.batch_sampler)
+        total = _dealt(len(batches), self.world, self.pad, False)
+        return iter(_deal(batches, total, self.start, self.rank, self.world))
+
+    def __len__(self) -> int:
+        total = _dealt(len(self.batch_sampler), self.world, self.pad, False)
+        return len(range(self.rank, total, self.world))
+
+
+def _shard_of(loader: Any) -> _Shard | _ShardBatches | None:
+    """The shard :func:`shard_loader` gave ``loader``, if any."""
+    bs = getattr(loader, "batch_sampler", None)
+    if isinstance(bs, _ShardBatches):
+        return bs
+    s = getattr(bs, "sampler", None)
+    while isinstance(s, _WRAPPERS):
+        if isinstance(s, _Shard):
+            return s
+        s = s.sampler
+    return None
+
+
+def _user_batch_sampler(loader: Any) -> Any:
+    """``loader``'s batch sampler as the user made it (through :class:`_ShardBatches`)."""
+    bs = getattr(loader, "batch_sampler", None)
+    return bs.batch_sampler if isinstance(bs, _ShardBatches) else bs
+
+
+def _set_batch_sampler(loader: Any, batch_sampler: Any) -> None:
+    """Give a ``DataLoader`` another batch sampler (its ``__setattr__`` refuses it after
+    ``__init__``), also to its persistent workers' iterator, which keeps the one it started
+    with."""
+    object.__setattr__(loader, "batch_sampler", batch_sampler)
+    workers = getattr(loader, "_iterator", None)
+    if workers is not None and hasattr(workers, "_index_sampler"):
+        workers._index_sampler = batch_sampler
+
+
+def shard_loader(loader: Any, rank: int, world_size: int, *, pad: bool) -> bool:
+    """Make ``loader`` yield rank ``rank`` of ``world_size``'s shard of each epoch's order, in
+    place; returns whether it sharded. :func:`restore_loader` undoes it; a second call with the
+    same arguments does nothing (other arguments start the shard again from the epoch's start).
+
+    A ``DataLoader`` with torch's ``BatchSampler``: its sampler is wrapped to draw the whole
+    order (the same on every rank: the Trainer's seeded ``RandomSampler``, a
+    :class:`ShuffleSampler`, a ``SequentialSampler``) and keep its positions ``rank,
+    rank + world_size, ...``, as ``DistributedSampler`` does: ``pad=True`` repeats the order's
+    first samples until its length is a multiple of ``world_size`` (``DistributedSampler`` with
+    ``drop_last=False``: training, where every rank takes part in every step); ``pad=False``
+    gives uneven shards (``ceil`` or ``floor`` of ``n / world_size``: evaluation, where no
+    sample is counted twice). The loader's ``drop_last`` drops each rank's partial last batch;
+    without ``pad`` the order is first cut to a multiple of ``world_size``, so every rank has
+    the same number of batches (the global partial batch is dropped). ``len(loader)`` is the
+    rank's number of batches. The first ``k`` batches of every rank cover exactly the global
+    positions ``[0, k * batch_size * world_size)`` of the order, whatever the world size, so a
+    resume on another world size can start each new shard where it should
+    (:func:`shard_start`); :func:`position_loader` skips a rank's first batches without
+    loading them, and :func:`seed_batches` keys each batch by its global position.
+
+    With a custom batch sampler, whole batches are dealt out: rank ``rank`` takes batches
+    ``rank, rank + world_size, ...`` (``pad=True``: repeated from the first batch).
+
+    Left alone (returns ``False``): a loader whose sampler is a ``DistributedSampler`` already
+    (the user's sharding), an iterable dataset, ``batch_size=None``, anything but a
+    ``DataLoader`` (every rank then reads all of it).
+
+    Raises:
+        ValueError: if ``world_size`` is not an int >= 1 or ``rank`` not in
+            ``[0, world_size)``.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> loaders = [DataLoader(range(10), batch_size=2) for _ in range(3)]
+        >>> [shard_loader(dl, rank, 3, pad=True) for rank, dl in enumerate(loaders)]
+        [True, True, True]
+        >>> [[b.tolist() for b in dl] for dl in loaders]
+        [[[0, 3], [6, 9]], [[1, 4], [7, 0]], [[2, 5], [8, 1]]]
+        >>> _ = shard_loader(loaders[2], 2, 3, pad=False); [b.tolist() for b in loaders[2]]
+        [[2, 5], [8]]
+        >>> restore_loader(loaders[0]); len(loaders[0])
+        5
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1 (got {world_size!r})")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank must be an int in [0, {world_size}) for world_size={world_size} (got {rank!r})"
+        )
+    bs = _user_batch_sampler(loader)
+    if (
+        not isinstance(loader, torch.utils.data.DataLoader)
+        or isinstance(loader.dataset, torch.utils.data.IterableDataset)
+        or bs is None
+    ):
+        return False
+    shard = _shard_of(loader)
+    if shard is not None:
+        if (shard.rank, shard.world, shard.pad) != (rank, world_size, pad):
+            shard.rank, shard.world, shard.pad, shard.start = rank, world_size, pad, 0
+        return True
+    distributed = torch.utils.data.DistributedSampler
+    if isinstance(loader.sampler, distributed) or isinstance(
+        _base(getattr(bs, "sampler", None)), distributed
+    ):
+        return False  # the user's own sharding; position_loader gives it the epoch
+    if type(bs) is not torch.utils.data.BatchSampler:
+        _set_batch_sampler(loader, _ShardBatches(bs, rank, world_size, pad))
+        return True
+    parent: Any = bs  # the shard goes right above the base: it draws the whole order
+    while isinstance(parent.sampler, _WRAPPERS):
+        parent = parent.sampler
+    parent.sampler = _Shard(bs, parent.sampler, rank, world_size, pad)
+    return True
+
+
+def shard_start(loader: Any, global_position: int) -> bool:
+    """Start the current epoch of a loader :func:`shard_loader` sharded at sample
+    ``global_position`` of the epoch's (padded) order: each rank's shard continues from there,
+    and the samples before it are never loaded. Returns ``False`` for a loader that is not
+    sharded by samples (not sharded, or sharded by whole batches: its positions count
+    batches, see :func:`position_loader`).
+
+    Call it after :func:`position_loader` (which starts the shard at the rank's
+    ``skip_batches``). ``global_position`` must be a multiple of the world size; a multiple of
+    ``batch_size * world_size`` keeps each rank's batches those of an uninterrupted run on
+    this world size. Run on ``W`` ranks for ``k`` batches each, an epoch is at global position
+    ``k * batch_size * W``; on ``W'`` ranks it continues at the same position.
+
+    Raises:
+        ValueError: if ``global_position`` is negative or not a multiple of the world size.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> two = [DataLoader(range(12), batch_size=2) for _ in range(2)]
+        >>> for rank, dl in enumerate(two):
+        ...     _ = shard_loader(dl, rank, 2, pad=True)
+        >>> [next(iter(dl)).tolist() for dl in two]  # one batch each: positions [0, 4)
+        [[0, 2], [1, 3]]
+        >>> one = DataLoader(range(12), batch_size=2)
+        >>> _ = shard_loader(one, 0, 1, pad=True); shard_start(one, 4)
+        True
+        >>> [b.tolist() for b in one]  # the rest on one rank
+        [[4, 5], [6, 7], [8, 9], [10, 11]]
+    """
+    shard = _shard_of(loader)
+    if not isinstance(shard, _Shard):
+        return False
+    _check_start(global_position, shard.world, "sample")
+    shard.start = global_position
+    return True
 
 
 # ---------------------------------------------------------------- per-batch randomness
@@ -615,7 +864,8 @@ class _BatchKeys(Sampler[Any]):
 
     Positions count from the start of the epoch: a :class:`_SkipFirst` above this one drops the
     keyed items of the skipped batches, and a :class:`ShuffleSampler` that starts later starts
-    the count there too.
+    the count there too. Under a :class:`_Shard` they are global positions: the rank's batch
+    ``j`` starts at ``start + rank + j * size * world``, so no two ranks key a batch alike.
     """
 
     def __init__(self, batch_sampler: Any, seed: int, epoch: int) -> None:
@@ -624,20 +874,27 @@ class _BatchKeys(Sampler[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         seed, epoch, size = self.seed, self.epoch, self.batch_sampler.batch_size
-        position = self.sampler.start if isinstance(self.sampler, ShuffleSampler) else 0
-        it = iter(self.sampler)
+        s, position, stride = self.sampler, 0, size
+        if isinstance(s, _Shard):
+            position, stride = s.start + s.rank, size * s.world
+        elif isinstance(s, ShuffleSampler):
+            position = s.start
+        it = iter(s)
         for first in it:  # the BatchSampler cuts consecutive runs of `size`
             yield _BatchKey(first, seed, epoch, position)
             yield from itertools.islice(it, size - 1)
-            position += size
+            position += stride
 
     def __len__(self) -> int:
         return len(self.sampler)
 
 
+_WRAPPERS = (_SkipFirst, _BatchKeys, _Shard)  # what a fit puts around a BatchSampler's sampler
+
+
 def _base(sampler: Any) -> Any:
     """``sampler`` without the wrappers a fit put around it."""
-    while isinstance(sampler, (_SkipFirst, _BatchKeys)):
+    while isinstance(sampler, _WRAPPERS):
         sampler = sampler.sampler
     return sampler
 
