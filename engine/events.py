@@ -165,6 +165,12 @@ class RunView:
         train_dataloader: the training dataloader ``fit`` was given (or got from the
             datamodule).
         datamodule: the datamodule ``fit`` was given, or ``None``.
+        world_size: the processes of the run (1 unless a multi-process strategy runs it).
+        global_rank: this process's rank among them (0 to ``world_size - 1``).
+        local_rank: its rank on its node; ``node_rank``: its node's.
+        is_global_zero: whether this is rank 0, the one that writes logs, the progress bar and
+            checkpoints (a listener with side effects of its own checks it, as Lightning's
+            ``rank_zero_only`` does).
 
     Example:
         >>> from engine.events import RunView
@@ -197,6 +203,15 @@ class RunView:
     loggers: tuple[Any, ...] = attrs.field(default=(), repr=False, converter=_objects)
     train_dataloader: Any = attrs.field(default=None, repr=False)
     datamodule: Any = attrs.field(default=None, repr=False)
+    world_size: int = 1
+    global_rank: int = 0
+    local_rank: int = 0
+    node_rank: int = 0
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this is rank 0."""
+        return self.global_rank == 0
 
 
 def _moved(view: RunView, global_step: int, current_epoch: int) -> RunView:

@@ -11,7 +11,7 @@ Trainer's results bitwise::
         state, metrics = step(state, pipeline.move(batch))
 """
 
-from engine.transforms.base import Transform
+from engine.transforms.base import Strategy, Transform
 from engine.transforms.common import (
     Clip,
     Compile,
@@ -44,6 +44,7 @@ __all__ = [
     "Pipeline",
     "SingleDevice",
     "SingleProcess",
+    "Strategy",
     "Transform",
     "TransformerEngine",
     "TruePrecision",

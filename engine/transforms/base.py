@@ -24,7 +24,16 @@ hook               what it wraps or changes                     implementations
                    engine.step.UpdateFn`), with the state's     check, skipped step, the scale's
                    ``precision``; returns metrics too           growth), ``Observe``
 ``wrap_core``      each pure core (tensors in, tensors out)     ``Compile``, ``DetectAnomaly``
+``reduce``         the accumulation window's gradients, once    ``DDP`` (a bucketed all-reduce)
+                   per optimizer step, before every
+                   ``wrap_update`` (so the precision's finite
+                   check and the clip see the global gradient)
 =================  ===========================================  ==================================
+
+A :class:`Strategy` is the transform that says how the work is spread over processes: besides
+the hooks above (``prepare`` makes the state identical on every rank, ``reduce`` averages the
+gradients) it has the rank facts, the loaders' sharding and the collectives the driver needs at
+its existing checks (``agree``, ``broadcast``, ``barrier``, the metrics' ``sync``).
 
 ``wrap_update`` exists beside ``gradients`` because a finite check must be able to skip the
 optimizer and update a loss scale kept in ``TrainState.precision``, which a gradient
@@ -33,14 +42,18 @@ transformation (gradients in, gradients out) cannot.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from torch import Tensor
 
 from engine.optim.base import GradientTransformation
 from engine.state import TrainState
 from engine.step import GradFn, UpdateFn
 
-__all__ = ["Transform"]
+__all__ = ["Strategy", "Transform"]
+
+_T = TypeVar("_T")
 
 
 class Transform:
@@ -85,6 +98,11 @@ class Transform:
         """A pure core ``core(module, params, buffers, *args)`` of a step."""
         return core
 
+    def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The gradients of a whole accumulation window, once per optimizer step, before every
+        ``wrap_update``: a data-parallel strategy averages them over the ranks here."""
+        return grads
+
     def overrides(self, hook: str) -> bool:
         """Whether this transform's ``hook`` is its own rather than the identity above."""
         return getattr(type(self), hook) is not getattr(Transform, hook)
@@ -92,3 +110,87 @@ class Transform:
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"
+
+
+class Strategy(Transform):
+    """How the work is spread over processes: a :class:`Transform` with the rank facts and the
+    few collectives the driver needs, each at a point the driver already has.
+
+    This base class is one process (every collective the identity); ``engine.parallel.DDP`` is
+    data parallel over ``torch.distributed``.
+
+    ========================  ===============================================================
+    ``world_size`` ...        ``world_size``, ``global_rank``, ``local_rank``, ``node_rank``,
+                              ``is_global_zero``: who this process is
+    ``setup()``               join the process group (idempotent); ``teardown()`` leaves it
+    ``shard(loader, stage)``  this rank's part of a loader (``"train"``, ``"val"``, ``"test"``,
+                              ``"predict"``); the loader itself for one process
+    ``agree(flags)``          each flag true on any rank, for every rank (one collective): the
+                              loop's stop and signal checks
+    ``broadcast(obj)``        rank 0's object on every rank (directory and version names)
+    ``barrier()``             wait for every rank
+    ``sync``                  what the metrics' reductions sync through (``None``: no sync)
+    ``launcher``              what starts the other processes (``None``: nothing to start)
+    ========================  ===============================================================
+
+    Example:
+        >>> s = Strategy()
+        >>> s.world_size, s.is_global_zero, s.agree((False, True))
+        (1, True, (False, True))
+    """
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes."""
+        return 1
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank, 0 to ``world_size - 1``."""
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        """This process's node."""
+        return 0
+
+    @property
+    def sync(self) -> Any:
+        """What the metrics' reductions sync through (``None``: nothing to sync)."""
+        return None
+
+    @property
+    def launcher(self) -> Any:
+        """What starts the other processes (``None``: nothing to start)."""
+        return None
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this is rank 0: the one that writes logs, the bar, checkpoints."""
+        return self.global_rank == 0
+
+    def setup(self) -> None:
+        """Join the process group (idempotent)."""
+
+    def teardown(self) -> None:
+        """Leave what :meth:`setup` joined."""
+
+    def shard(self, loader: Any, stage: str) -> Any:
+        """This rank's part of ``loader`` for ``stage``."""
+        return loader
+
+    def agree(self, flags: Sequence[bool]) -> tuple[bool, ...]:
+        """Each flag, true if it is true on any rank."""
+        return tuple(bool(f) for f in flags)
+
+    def broadcast(self, obj: _T) -> _T:
+        """Rank 0's ``obj``, on every rank."""
+        return obj
+
+    def barrier(self) -> None:
+        """Return once every rank has called it."""

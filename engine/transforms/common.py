@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 from engine.optim.base import GradientTransformation
 from engine.state import TrainState
 from engine.step import compile_core
-from engine.transforms.base import Transform
+from engine.transforms.base import Strategy, Transform
 
 __all__ = ["Clip", "Compile", "DetectAnomaly", "Float32", "SingleDevice", "SingleProcess"]
 
@@ -122,9 +122,10 @@ def _on(t: Tensor, device: torch.device) -> bool:
     return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
-class SingleProcess(Transform):
-    """One process (Lightning's ``strategy="single_device"``): every hook is the identity. A
-    data-parallel strategy all-reduces in ``wrap_grad``; a sharded one shards in ``prepare``."""
+class SingleProcess(Strategy):
+    """One process (Lightning's ``strategy="single_device"``): every hook and every collective
+    is the identity. A data-parallel strategy (``engine.parallel.DDP``) averages the gradients in
+    ``reduce``; a sharded one shards in ``prepare``."""
 
 
 class Float32(Transform):

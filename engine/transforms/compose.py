@@ -38,7 +38,7 @@ from engine.step import (
     reporting_grad_norm,
     update_core,
 )
-from engine.transforms.base import Transform
+from engine.transforms.base import Strategy, Transform
 from engine.transforms.common import (
     Clip,
     Compile,
@@ -56,7 +56,7 @@ def compose(
     placement: Transform | None = None,
     precision: Transform | None = None,
     observe: Transform | None = None,
-    strategy: Transform | None = None,
+    strategy: Strategy | None = None,
     clip: GradientTransformation | Transform | None = None,
     accumulate: int = 1,
     compile: bool | Mapping[str, Any] | Transform = False,
@@ -70,8 +70,9 @@ def compose(
         precision: the precision policy; default :class:`Float32`.
         observe: callbacks inside the step (an :class:`Observe`): Lightning's
             ``on_before_backward`` / ``on_after_backward`` / ``on_before_optimizer_step``.
-        strategy: how the work is spread over processes; default :class:`SingleProcess`
-            (data parallel: an all-reduce in ``wrap_grad``; fully sharded: ``prepare``).
+        strategy: how the work is spread over processes, a :class:`Strategy`; default
+            :class:`SingleProcess` (data parallel, ``engine.parallel.DDP``: an all-reduce in
+            ``reduce``, once per optimizer step; fully sharded: ``prepare``).
         clip: a stateless gradient transformation run before the optimizer (the Trainer's
             ``gradient_clip_val``: ``optim.clip_by_global_norm(v)``), or a :class:`Clip`.
         accumulate: micro-batches per optimizer step (``accumulate_grad_batches``).
@@ -107,10 +108,29 @@ def compose(
         else _flag(DetectAnomaly, detect_anomaly),
         compile if isinstance(compile, Transform) else _compile(compile),
     ]
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(
+            f"compose(strategy={strategy!r}): pass an engine.transforms.Strategy, such as "
+            "engine.parallel.DDP()"
+        )
     for t in stages:
         if t is not None and not isinstance(t, Transform):
             raise TypeError(f"compose(): {t!r} is not an engine.transforms.Transform")
     return Pipeline(tuple(t for t in stages if t is not None), accumulate)
+
+
+def _reducing(update_fn: UpdateFn, reducers: tuple[Callable[[Any], Any], ...]) -> UpdateFn:
+    """``update_fn`` after the strategies' ``reduce``: once per optimizer step, on the window's
+    gradients, before every ``wrap_update`` (the precision's finite check sees the same
+    gradients on every rank, so every rank skips the same steps; the clip sees the global
+    gradient, as Lightning's does under DDP)."""
+
+    def update(grads, params, opt_state, precision, step):
+        for reduce in reducers:
+            grads = reduce(grads)
+        return update_fn(grads, params, opt_state, precision, step)
+
+    return update
 
 
 def _flag(kind: Callable[[], Transform], on: bool) -> Transform | None:
@@ -181,6 +201,9 @@ class Pipeline:
             fn = reporting_grad_norm(fn)
         for t in reversed(self.transforms):
             fn = t.wrap_update(fn)
+        reducers = tuple(t.reduce for t in self.transforms if t.overrides("reduce"))
+        if reducers:
+            fn = _reducing(fn, reducers)
         return fn
 
     def wrap_core(self, core: Callable) -> Callable:
@@ -188,6 +211,11 @@ class Pipeline:
         for t in reversed(self.transforms):
             core = t.wrap_core(core)
         return core
+
+    @property
+    def strategy(self) -> Strategy:
+        """The pipeline's strategy (:class:`SingleProcess` unless one was given)."""
+        return next(t for t in self.transforms if isinstance(t, Strategy))
 
     def rng_devices(self, state: TrainState) -> tuple[int | str, ...]:
         """The CUDA devices whose generators a step seeds besides the CPU's."""

@@ -1,0 +1,12 @@
+"""Training over several processes on ``torch.distributed``: the strategies, the environments
+that say who each process is, and the launchers that start them.
+
+* :class:`DDP`: data parallel (every rank holds the whole state; the gradients are averaged
+  once per optimizer step). A :class:`~engine.transforms.Strategy`, composed like any transform.
+"""
+
+from engine.parallel.ddp import DDP
+from engine.transforms.base import Strategy
+from engine.transforms.common import SingleProcess
+
+__all__ = ["DDP", "SingleProcess", "Strategy"]

@@ -1,0 +1,355 @@
+"""Data parallel training on ``torch.distributed``: :class:`DDP`, a :class:`~engine.transforms.
+Strategy`.
+
+Every rank holds the whole state and trains on its shard of each batch order. What keeps the
+ranks one run:
+
+* ``prepare`` broadcasts rank 0's tensors (parameters, buffers, optimizer and precision state),
+  so every rank starts from the same bits whatever each built;
+* ``reduce`` averages the gradients of each accumulation window once per optimizer step, in
+  buckets of ``bucket_cap_mb`` flattened per dtype and device (one collective per bucket, all in
+  flight at once), before the precision's finite check (every rank skips the same steps) and
+  before clipping (the clip sees the global gradient, as Lightning's does). Under
+  ``torch.compile`` the collective is traced into the graph (functional collectives);
+* ``shard`` gives each rank a disjoint part of a loader's ``(seed, epoch)`` order
+  (:func:`engine.data.shard_loader`): padded to equal lengths for training, as
+  ``DistributedSampler`` pads, unpadded for evaluation so no sample counts twice;
+* ``agree`` / ``broadcast`` / ``barrier``: the few collectives the driver makes at the checks it
+  already has (stops, signals, directory names);
+* ``sync``: the metrics' reductions across ranks (once per epoch).
+
+The process group is joined in :meth:`DDP.setup` from a cluster environment
+(:mod:`engine.parallel.environments`: torchrun's variables, SLURM's, or the Trainer's own
+launcher's).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from engine.state import TrainState
+from engine.transforms.base import Strategy
+
+__all__ = ["DDP"]
+
+_T = TypeVar("_T")
+
+
+class DDP(Strategy):
+    """Data parallel over ``torch.distributed`` (Lightning's ``strategy="ddp"``).
+
+    Args:
+        environment: who this process is (``engine.parallel.environments``); default: detected
+            from the variables torchrun or SLURM set, else the Trainer's own launch.
+        backend: ``"gloo"`` (the default on the CPU) or ``"nccl"`` (on CUDA).
+        timeout: how long a collective may wait for the other ranks before it fails (a rank
+            that died or hangs): default 30 minutes, as torch's.
+        bucket_cap_mb: the size of each flattened gradient bucket (25 MiB, DDP's default).
+        find_unused_parameters: accepted for Lightning's flag; every parameter's gradient is
+            always reduced (one without a path to the loss has a zero gradient), so nothing has
+            to be found.
+        start_method: how the Trainer starts the other processes of ``devices=N`` when no
+            launcher did: ``"popen"`` (Lightning's ``"ddp"``: the script runs again),
+            ``"spawn"`` (``"ddp_spawn"``) or ``"fork"`` (``"ddp_fork"``).
+
+    Example:
+        >>> DDP().world_size  # before setup(): read from the environment (one process here)
+        1
+    """
+
+    def __init__(
+        self,
+        *,
+        environment: Any = None,
+        backend: str | None = None,
+        timeout: datetime.timedelta | float | None = None,
+        bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        start_method: str = "popen",
+        device: str | torch.device | None = None,
+    ) -> None:
+        if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc"):
+            raise ValueError(
+                f"DDP(backend={backend!r}): pass 'gloo' (CPU) or 'nccl' (CUDA), or leave it out"
+            )
+        if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+            raise ValueError(f"DDP(bucket_cap_mb={bucket_cap_mb!r}): pass a size in MiB > 0")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(
+                f"DDP(start_method={start_method!r}): pass 'popen', 'spawn', 'fork' or 'forkserver'"
+            )
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            timeout = datetime.timedelta(seconds=float(timeout))
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            raise TypeError(f"DDP(timeout={timeout!r}): pass a datetime.timedelta or seconds")
+        self.environment = environment
+        self.backend = backend
+        self.timeout = timeout
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.start_method = start_method
+        self.device = torch.device(device) if device is not None else None
+        self._joined = False
+
+    # ------------------------------------------------------------------ who this process is
+
+    def _env(self, name: str, default: int) -> int:
+        env = self.environment
+        if env is not None:
+            return int(getattr(env, name)())
+        if dist.is_available() and dist.is_initialized():
+            if name == "world_size":
+                return dist.get_world_size()
+            if name == "global_rank":
+                return dist.get_rank()
+        key = {
+            "world_size": "WORLD_SIZE",
+            "global_rank": "RANK",
+            "local_rank": "LOCAL_RANK",
+            "node_rank": "GROUP_RANK",
+        }[name]
+        return int(os.environ.get(key, default))
+
+    @property
+    def world_size(self) -> int:
+        return self._env("world_size", 1)
+
+    @property
+    def global_rank(self) -> int:
+        return self._env("global_rank", 0)
+
+    @property
+    def local_rank(self) -> int:
+        return self._env("local_rank", 0)
+
+    @property
+    def node_rank(self) -> int:
+        return self._env("node_rank", 0)
+
+    def __repr__(self) -> str:
+        return (
+            f"DDP(world_size={self.world_size}, global_rank={self.global_rank}, "
+            f"backend={self._backend()!r})"
+        )
+
+    def _backend(self) -> str:
+        if self.backend is not None:
+            return self.backend
+        return "nccl" if self.device is not None and self.device.type == "cuda" else "gloo"
+
+    def _collective_device(self) -> torch.device:
+        """Where the small tensors of ``agree`` live (NCCL takes only CUDA tensors)."""
+        if self._backend() == "nccl":
+            return self.device or torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ the process group
+
+    def setup(self) -> None:
+        """Join the process group this process's environment describes (once: a group already
+        initialised, by this strategy or by the user, is used as it is)."""
+        if not dist.is_available():
+            raise RuntimeError(
+                "DDP needs torch.distributed, which this build of torch does not have"
+            )
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if dist.is_initialized():
+            world, rank = dist.get_world_size(), dist.get_rank()
+            if self.environment is not None and (
+                world != self.environment.world_size() or rank != self.environment.global_rank()
+            ):
+                raise RuntimeError(
+                    f"DDP: the process group already initialised has world size {world} and "
+                    f"this process is its rank {rank}, but the environment says world size "
+                    f"{self.environment.world_size()}, rank {self.environment.global_rank()}"
+                )
+            self._joined = True
+            return
+        env = self.environment
+        kwargs: dict[str, Any] = {}
+        if self.timeout is not None:
+            kwargs["timeout"] = self.timeout
+        if env is not None:
+            kwargs.update(
+                init_method=f"tcp://{_host(env.main_address)}:{int(env.main_port)}",
+                world_size=env.world_size(),
+                rank=env.global_rank(),
+            )
+        else:
+            kwargs["init_method"] = "env://"
+        dist.init_process_group(self._backend(), **kwargs)
+        atexit.register(_destroy)
+        self._joined = True
+
+    def teardown(self) -> None:
+        """Kept joined: a process's later ``validate`` / ``test`` runs reuse the group; it is
+        destroyed when the process exits."""
+
+    # ------------------------------------------------------------------ step hooks
+
+    def prepare(self, state: TrainState) -> TrainState:
+        """Rank 0's tensors on every rank: parameters, buffers, optimizer and precision state
+        (broadcast in place, in flattened buckets), so every rank starts from the same bits."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return state
+        state.check_alive("DDP.prepare()")
+        tensors = [
+            t
+            for t in torch.utils._pytree.tree_leaves(
+                (state.params, state.buffers, state.opt_state, state.precision, state.grad_accum)
+            )
+            if isinstance(t, Tensor)
+        ]
+        with torch.no_grad():
+            for bucket in _buckets(tensors, self.bucket_cap_mb):
+                flat = _flatten_dense_tensors(bucket)
+                dist.broadcast(flat, src=0)
+                for t, v in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                    t.copy_(v)
+        return state
+
+    def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The average of ``grads`` over the ranks: one all-reduce per bucket, every bucket in
+        flight before the first is waited for."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            return grads
+        names, tensors = list(grads), list(grads.values())
+        buckets = _buckets(tensors, self.bucket_cap_mb)
+        if torch.compiler.is_compiling():
+            import torch.distributed._functional_collectives as funcol
+
+            out: list[Tensor] = []
+            for bucket in buckets:
+                flat = funcol.all_reduce(
+                    torch.cat([g.reshape(-1) for g in bucket]),
+                    "sum",
+                    dist.group.WORLD,  # type: ignore[arg-type]
+                )
+                flat = flat / world
+                offset = 0
+                for g in bucket:
+                    out.append(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+            return _in_order(names, tensors, buckets, out)
+        flats, works = [], []
+        for bucket in buckets:
+            flat = _flatten_dense_tensors(bucket)
+            works.append(dist.all_reduce(flat, async_op=True))
+            flats.append(flat)
+        reduced: list[Tensor] = []
+        for bucket, flat, work in zip(buckets, flats, works, strict=True):
+            work.wait()
+            flat.div_(world)
+            reduced.extend(_unflatten_dense_tensors(flat, bucket))
+        return _in_order(names, tensors, buckets, reduced)
+
+    # ------------------------------------------------------------------ the driver's collectives
+
+    def shard(self, loader: Any, stage: str) -> Any:
+        world = self.world_size
+        if world == 1:
+            return loader
+        from engine import data
+
+        sharded = data.shard_loader(loader, self.global_rank, world, pad=stage == "train")
+        if not sharded and not _already_sharded(loader):
+            warnings.warn(
+                f"DDP: the {stage} loader {type(loader).__name__} cannot be sharded (an "
+                "iterable dataset, batch_size=None, or not a DataLoader): every rank reads "
+                "all of it. Give it a map-style dataset with a batch_size, or shard it "
+                "yourself by rank (trainer.global_rank, trainer.world_size)",
+                stacklevel=3,
+            )
+        return loader
+
+    def agree(self, flags: Sequence[bool]) -> tuple[bool, ...]:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return tuple(bool(f) for f in flags)
+        t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+        t = t.to(self._collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return tuple(bool(v) for v in t.tolist())
+
+    def broadcast(self, obj: _T) -> _T:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self._collective_device())
+        return box[0]
+
+    def barrier(self) -> None:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        if self._backend() == "nccl":
+            dist.barrier(device_ids=[self._collective_device().index or 0])
+        else:
+            dist.barrier()
+
+    @property
+    def sync(self) -> Any:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        from engine import metrics
+
+        make = getattr(metrics, "distributed_sync", None)
+        return make() if make is not None else None
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
+def _destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # at exit, a peer may be gone already
+            dist.destroy_process_group()
+
+
+def _already_sharded(loader: Any) -> bool:
+    sampler = getattr(loader, "sampler", None)
+    bs = getattr(loader, "batch_sampler", None)
+    return isinstance(sampler, torch.utils.data.DistributedSampler) or isinstance(
+        getattr(bs, "sampler", None), torch.utils.data.DistributedSampler
+    )
+
+
+def _buckets(tensors: Sequence[Tensor], cap_mb: float) -> list[list[Tensor]]:
+    """``tensors`` cut into buckets of one dtype and device, each up to ``cap_mb`` MiB (a tensor
+    larger than that is a bucket of its own); the order within a kind is kept."""
+    cap = int(cap_mb * 2**20)
+    kinds: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for t in tensors:
+        key = (t.dtype, t.device)
+        buckets = kinds.setdefault(key, [[]])
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and sizes.get(key, 0) + nbytes > cap:
+            buckets.append([])
+            sizes[key] = 0
+        buckets[-1].append(t)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    return [b for bs in kinds.values() for b in bs if b]
+
+
+def _in_order(
+    names: list[str], tensors: list[Tensor], buckets: list[list[Tensor]], reduced: list[Tensor]
+) -> dict[str, Tensor]:
+    """``reduced`` (in bucket order) by name, in the order of ``names``."""
+    index = {id(t): n for n, t in zip(names, tensors, strict=True)}
+    by_name = {
+        index[id(t)]: r for t, r in zip((t for b in buckets for t in b), reduced, strict=True)
+    }
+    return {n: by_name[n] for n in names}
