@@ -118,12 +118,20 @@ class _Recorder(Transform):
         return core
 
 
+class _StrategyRecorder(_Recorder, transforms.Strategy):
+    """A strategy that records its hooks, its gradient reduction too."""
+
+    def reduce(self, grads):
+        self.log.append(f"reduce {self.name}")
+        return grads
+
+
 def test_compose_applies_every_hook_in_the_one_declared_order():
     log: list[str] = []
     pipeline = transforms.compose(
         placement=_Recorder("placement", log),
         precision=_Recorder("precision", log),
-        strategy=_Recorder("strategy", log),
+        strategy=_StrategyRecorder("strategy", log),
         detect_anomaly=_Recorder("anomaly", log),
         compile=_Recorder("compile", log),
     )
@@ -142,9 +150,14 @@ def test_compose_applies_every_hook_in_the_one_declared_order():
         # strategy's all-reduce runs inside it, right after backward ...
         *grads_in,
         *(f"grad {s} <" for s in reversed(stages)),
+        # the strategy averages the window's gradients once, before every update hook (the
+        # precision's finite check sees the global gradient) ...
+        "reduce strategy",
         # ... and the precision wraps the update, before the gradients chain (unscale, clip)
         *(f"update {s}" for s in stages),
     ]
+    with pytest.raises(TypeError, match=r"engine\.transforms\.Strategy"):
+        transforms.compose(strategy=_Recorder("strategy", log))
 
 
 def test_compose_refuses_what_is_not_a_transform():
