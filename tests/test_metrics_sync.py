@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -34,6 +35,7 @@ N_SAMPLES = 7  # over 2 ranks: 4 and 3 samples, batches of 2 -> [2, 2] and [2, 1
 REDUCE = {"s": "sum", "hi": "max", "lo": "min"}
 TOL = 1e-6  # relative: float32 sums in another order
 SUM_LIKE = ("loss", "m", "s")
+STARTED = "started"  # a rank's first message to the parent
 
 
 def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +162,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: An
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    results.put((rank, STARTED))  # imports done: the parent's deadline for the work starts
     try:
         dist.init_process_group(
             "gloo",
@@ -180,8 +183,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(fn: Callable[..., Any], world: int, timeout: float = 50.0) -> list[dict[str, Any]]:
-    """``fn(rank, world)`` on ``world`` gloo ranks, in rank order; fails within ``timeout``."""
+def _run(
+    fn: Callable[..., Any], world: int, timeout: float = 50.0, start_timeout: float = 120.0
+) -> list[dict[str, Any]]:
+    """``fn(rank, world)`` on ``world`` gloo ranks, in rank order. Fails if the ranks have not
+    started (imported torch and the engine: slow on a loaded machine) within ``start_timeout``,
+    or have not all answered within ``timeout`` after that (a hang; gloo's own timeout is 30 s)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -197,16 +204,35 @@ def _run(fn: Callable[..., Any], world: int, timeout: float = 50.0) -> list[dict
     finally:
         os.environ.clear()
         os.environ.update(env)
+    started: set[int] = set()
     got: dict[int, Any] = {}
+    deadline = time.monotonic() + start_timeout
     try:
-        for _ in range(world):
-            rank, value = results.get(timeout=timeout)
-            got[rank] = value
+        while len(got) < world:
+            try:
+                rank, value = results.get(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                if dead:  # killed (e.g. gloo's abort on a mismatched collective), no traceback
+                    raise AssertionError(f"ranks {dead} died without an answer") from None
+                if time.monotonic() < deadline:
+                    continue
+                raise
+            if value == STARTED:
+                started.add(rank)
+                if len(started) == world:
+                    deadline = time.monotonic() + timeout
+            else:
+                got[rank] = value
+                if isinstance(value, str):  # a rank's traceback: fail now, not at the deadline
+                    break
     except queue.Empty:
-        raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} hung") from None
+        waiting = "started" if len(started) < world else "answered"
+        missing = sorted(set(range(world)) - (started if waiting == "started" else set(got)))
+        raise TimeoutError(f"ranks {missing} have not {waiting} in time (a hang?)") from None
     finally:
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=10 if len(got) == world else 0.5)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
