@@ -30,7 +30,12 @@ from engine.parallel.environments import (
     expand_slurm_nodelist,
     select_environment,
 )
-from engine.parallel.launch import ChildProcessFailed, SpawnLauncher, find_free_port
+from engine.parallel.launch import (
+    ChildProcessFailed,
+    ScriptLauncher,
+    SpawnLauncher,
+    find_free_port,
+)
 
 _DIST_VARS = (
     "MASTER_ADDR",
@@ -391,6 +396,18 @@ def test_script_launcher_runs_a_module_again_with_dash_m(tmp_path):
         "fit rank=0 local=0 node=0 world=2 sum=3",
         "fit rank=1 local=1 node=0 world=2 sum=3",
     ]
+
+
+def test_a_later_call_in_the_launching_script_must_ask_for_the_same_world(monkeypatch):
+    monkeypatch.setattr(envs, "_launched_here", {"script": (2, 1)})
+    launcher = ScriptLauncher(4, 1, LocalEnvironment(4, 1))
+    with pytest.raises(ValueError, match=r"already launched devices=2, num_nodes=1.*devices=4"):
+        launcher.launch(print)
+    # In a child (or under torchrun) the launcher only runs the work.
+    monkeypatch.setattr(envs, "_launched_here", {})
+    monkeypatch.setenv(LAUNCHED_BY_VAR, "script:1")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert ScriptLauncher(4, 1, LocalEnvironment(4, 1)).launch(lambda: os.getpid()) == os.getpid()
 
 
 def test_script_launcher_refuses_python_dash_c(tmp_path):

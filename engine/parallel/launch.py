@@ -42,12 +42,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.multiprocessing as mp
 
-from engine.parallel.environments import (
-    LAUNCHED_BY_VAR,
-    ClusterEnvironment,
-    _launched_here,
-    find_free_port,
-)
+from engine.parallel import environments as _environments
+from engine.parallel.environments import LAUNCHED_BY_VAR, ClusterEnvironment, find_free_port
 
 __all__ = ["ChildProcessFailed", "ScriptLauncher", "SpawnLauncher", "find_free_port"]
 
@@ -371,9 +367,9 @@ class ScriptLauncher:
         """
         self.environment.validate(devices=self.num_processes, num_nodes=self.num_nodes)
         shape = (self.num_processes, self.num_nodes)
-        if "script" in _launched_here:
-            if _launched_here["script"] != shape:
-                started = _launched_here["script"]
+        if "script" in _environments._launched_here:
+            if _environments._launched_here["script"] != shape:
+                started = _environments._launched_here["script"]
                 raise ValueError(
                     f"this script already launched devices={started[0]}, "
                     f"num_nodes={started[1]}, and those processes run to its end: every "
@@ -415,7 +411,7 @@ class ScriptLauncher:
                 proc.kill()
                 proc.wait()
             raise
-        _launched_here["script"] = (n, self.num_nodes)
+        _environments._launched_here["script"] = (n, self.num_nodes)
         _family = _Family(
             procs,
             node * n,
@@ -438,6 +434,8 @@ class ScriptLauncher:
                 f"(local rank: exit code {ended}), so they cannot join this one: every process "
                 "must make the same Trainer calls"
             )
+        with family.lock:
+            family.main_thread = threading.get_ident()  # the thread to raise a failure in
         try:
             result = fn(*args, **kwargs)
         except BaseException as error:
@@ -451,13 +449,15 @@ class ScriptLauncher:
                 raise ChildProcessFailed(family.report()) from error
             family.stop_children()
             raise
-        failure = family.settle(0.0)
+        with family.lock:  # the watcher checks and raises under the same lock
+            failure = family._poll()
+            if failure is not None:
+                family.handled.set()
+                _async_raise(family.main_thread, None)
         if failure is not None:
             family.stop_children()
             raise ChildProcessFailed(family.report())
-        with family.lock:
-            family.handled.clear()  # still watching: a later failure is raised again
-        return result
+        return result  # still watched: a later failure is raised wherever this thread is
 
 
 # ---------------------------------------------------------------------------- spawn
