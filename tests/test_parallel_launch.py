@@ -410,6 +410,12 @@ def test_a_later_call_in_the_launching_script_must_ask_for_the_same_world(monkey
     assert ScriptLauncher(4, 1, LocalEnvironment(4, 1)).launch(lambda: os.getpid()) == os.getpid()
 
 
+def test_one_process_launches_nothing_and_leaves_the_environment_alone():
+    before = dict(os.environ)
+    assert ScriptLauncher(1, 1, LocalEnvironment(1, 1)).launch(lambda x: x + 1, 6) == 7
+    assert dict(os.environ) == before and envs._launched_here == {}
+
+
 def test_script_launcher_refuses_python_dash_c(tmp_path):
     code = (
         "from engine.parallel.environments import LocalEnvironment\n"

@@ -378,6 +378,8 @@ class ScriptLauncher:
                 )
         elif self.environment.creates_processes_externally:
             return fn(*args, **kwargs)  # a child (or torchrun's, srun's): only join
+        elif shape == (1, 1):
+            return fn(*args, **kwargs)  # one process in all: nothing to start or to tell
         else:
             self._start_children()
         return self._run_rank0(fn, args, kwargs)
