@@ -528,6 +528,12 @@ def _raise_on_rank_1():
     time.sleep(120)  # rank 0 would wait for ever: it must be stopped
 
 
+def _system_exit_on_rank_1():
+    if os.environ["RANK"] == "1":
+        sys.exit("rank 1 gives up")
+    time.sleep(120)
+
+
 def _exit_on_rank_1():
     if os.environ["RANK"] == "1":
         os._exit(3)
@@ -568,6 +574,15 @@ def test_a_child_that_exits_without_raising_is_named_with_its_code():
     with pytest.raises(ChildProcessFailed, match=r"spawned process 1 .* exited with exit code 3"):
         SpawnLauncher(2, start_method="fork", grace_period=1.0, timeout=60).launch(_exit_on_rank_1)
     assert time.monotonic() - start < 30
+
+
+@needs_fork
+def test_a_child_calling_sys_exit_is_re_raised_as_its_system_exit():
+    with pytest.raises(SystemExit, match="rank 1 gives up") as info:
+        SpawnLauncher(2, start_method="fork", grace_period=1.0, timeout=60).launch(
+            _system_exit_on_rank_1
+        )
+    assert "_system_exit_on_rank_1" in str(info.value.__cause__)
 
 
 def test_spawn_launcher_refuses_a_start_method_the_platform_lacks(monkeypatch):

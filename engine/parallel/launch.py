@@ -638,6 +638,9 @@ class SpawnLauncher:
                 raised = _child_error(Path(outbox), error.error_index, str(error))
                 raise raised from raised.__cause__  # the child's traceback, not torch's report
             except mp.ProcessExitedException as error:
+                if (Path(outbox) / f"error-{error.error_index}.pkl").exists():  # SystemExit
+                    raised = _child_error(Path(outbox), error.error_index, str(error))
+                    raise raised from raised.__cause__
                 raise ChildProcessFailed(
                     f"spawned process {error.error_index} (pid {error.error_pid}) exited with "
                     f"{_describe(error.exit_code)} without raising an exception; the others "
