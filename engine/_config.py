@@ -80,14 +80,11 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...], later: str = "
     return value
 
 
-_LATER = "not supported yet: other values arrive with the multi-process (DDP/FSDP) work"
 _FLAG = (None, True, False)
 
 # the values each flag accepts now, and why others are refused (empty: they are wrong)
 CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {
-    "strategy": (("auto", "single_device"), _LATER),
-    "num_nodes": ((1,), _LATER),
-    "sync_batchnorm": ((False,), _LATER),
+    "sync_batchnorm": ((True, False), ""),
     "use_distributed_sampler": ((True, False), ""),
     "inference_mode": ((True, False), ""),
     "detect_anomaly": ((True, False), ""),
@@ -101,6 +98,61 @@ CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {
     "profiler": ((None, "simple", "pytorch"), ""),
     "gradient_clip_algorithm": ((None, "norm", "value"), ""),
 }
+
+
+# Lightning's strategy names engine runs, and the data-parallel options each stands for
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "auto": {},
+    "single_device": {},
+    "ddp": {"start_method": "popen"},
+    "ddp_spawn": {"start_method": "spawn"},
+    "ddp_fork": {"start_method": "fork"},
+    "ddp_notebook": {"start_method": "fork"},
+    "ddp_find_unused_parameters_true": {"start_method": "popen", "find_unused_parameters": True},
+    "ddp_find_unused_parameters_false": {"start_method": "popen"},
+    "ddp_spawn_find_unused_parameters_true": {
+        "start_method": "spawn",
+        "find_unused_parameters": True,
+    },
+}
+_OTHER_STRATEGIES = {
+    "fsdp": "fully sharded training (FSDP2) arrives with its own issue; use strategy='ddp'",
+    "deepspeed": "engine runs on torch.distributed only; use strategy='ddp'",
+    "dp": "Lightning removed DataParallel; use strategy='ddp'",
+    "xla": "engine runs on the CPU, CUDA and MPS only",
+}
+
+
+def check_strategy(value: Any, processes: int, num_nodes: Any) -> int:
+    """``strategy`` and ``num_nodes`` against ``processes`` devices on each node; returns the
+    world size (processes x nodes). A Strategy object (``engine.parallel.DDP(...)``) is taken as
+    it is."""
+    from engine.transforms.base import Strategy
+
+    nodes = check_int("num_nodes", num_nodes, minimum=1)
+    world = processes * nodes
+    if isinstance(value, Strategy):
+        return world
+    if not isinstance(value, str) or value not in STRATEGIES:
+        why = _OTHER_STRATEGIES.get(value) if isinstance(value, str) else None
+        shown = ", ".join(repr(k) for k in STRATEGIES)
+        raise ValueError(
+            f"Trainer(strategy={value!r}): "
+            + (why if why else f"accepted values are {shown}, or an engine.parallel.DDP(...)")
+        )
+    if value == "single_device" and world > 1:
+        raise ValueError(
+            f"Trainer(strategy='single_device', devices x num_nodes = {world}): one process "
+            "runs on one device; pass strategy='ddp' for several, or devices=1, num_nodes=1"
+        )
+    if value in ("ddp_fork", "ddp_notebook"):
+        import multiprocessing
+
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"Trainer(strategy={value!r}): this platform cannot fork; use 'ddp' or 'ddp_spawn'"
+            )
+    return world
 
 
 def check_choices(**flags: Any) -> None:
@@ -274,9 +326,18 @@ def check_plugins(value: Any, precision: Any, detect_anomaly: bool = False) -> t
         return ()
     items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
     seen: dict[str, Any] = {}
+    from engine.transforms.base import Strategy
+
     for item in items:
         _instance("plugins", value, item)
-        if isinstance(item, CheckpointIO):
+        if isinstance(item, Strategy):
+            raise ValueError(
+                f"Trainer(plugins={value!r}): {item!r} is a strategy; pass it as "
+                f"Trainer(strategy={item!r})"
+            )
+        if _is_environment(item):
+            kind = "cluster environment"
+        elif isinstance(item, CheckpointIO):
             kind = "checkpoint IO"
         elif isinstance(item, SingleDevice):
             kind = "placement"
@@ -313,6 +374,15 @@ def check_plugins(value: Any, precision: Any, detect_anomaly: bool = False) -> t
             "precision; pass one"
         )
     return items
+
+
+def _is_environment(item: Any) -> bool:
+    """Whether ``item`` is a cluster environment (``engine.parallel.environments``)."""
+    try:
+        from engine.parallel.environments import ClusterEnvironment
+    except ImportError:  # pragma: no cover - the module lands with the launchers
+        return False
+    return isinstance(item, ClusterEnvironment)
 
 
 def check_callbacks(value: Any) -> None:
@@ -425,7 +495,7 @@ class FlagViews:
         """The resolved ``strategy`` flag (a str); Lightning's Strategy object's attributes
         on it say where engine keeps them (``trainer.strategy.root_device`` is
         ``trainer.root_device``)."""
-        return StrategyFlag(self.config.strategy)
+        return StrategyFlag(self.config.strategy, getattr(self, "_strategy", None))
 
     devices: int | str | tuple[int, ...] = _flag("devices")
     device: str = _flag("device")
@@ -528,19 +598,39 @@ _STRATEGY_ATTRIBUTES = {
     "model": "trainer.state (the model's tensors)",
     "lightning_module": "trainer.state (the model's tensors)",
     "optimizers": "trainer.task.tx and trainer.state.opt_state",
-    "barrier": "nothing: one process until DDP lands",
+    "barrier": "trainer.strategy.barrier()",
 }
 
 
 class StrategyFlag(str):
     """``trainer.strategy``: the flag's value, a str (``"auto"``), as Lightning's flag is
-    given; an attribute of Lightning's Strategy object read on it says where engine keeps it."""
+    given. The rank facts and collectives of Lightning's Strategy object read on it come from
+    the run's strategy (``trainer.strategy.barrier()``, ``.world_size``, ``.broadcast(obj)``);
+    any other attribute of Lightning's says where engine keeps it."""
 
-    __slots__ = ()
+    _DELEGATED = frozenset(
+        (
+            "world_size",
+            "global_rank",
+            "local_rank",
+            "node_rank",
+            "is_global_zero",
+            "barrier",
+            "broadcast",
+        )
+    )
+
+    def __new__(cls, value: str, strategy: Any = None) -> StrategyFlag:
+        out = super().__new__(cls, value)
+        out.__dict__["_strategy"] = strategy
+        return out
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        strategy = self.__dict__.get("_strategy")
+        if strategy is not None and name in self._DELEGATED:
+            return getattr(strategy, name)
         instead = _STRATEGY_ATTRIBUTES.get(name)
         where = f"Lightning's trainer.strategy.{name} is {instead}" if instead else ""
         raise AttributeError(

@@ -77,6 +77,9 @@ class Checkpointer:
         self.io = io or checkpoint.CheckpointIO()
         # asynchronous saves requested by listeners, until they have landed (see reap)
         self.in_flight: list[_InFlight] = []
+        #: whether this process writes (and deletes) checkpoints: every rank of a
+        #: data-parallel run holds the same state, and rank 0 alone writes it
+        self.writes = True
 
     def keyed_listeners(self, *, stateful_only: bool = True) -> list[tuple[str, Any]]:
         """The listeners by key: ``state_key`` or the class name, ``#n`` for the n-th of a key."""
@@ -133,7 +136,14 @@ class Checkpointer:
         asynchronous: bool = False,
         weights_only: bool = False,
     ) -> Any:
-        """The checkpoint of ``run`` and the listeners' states, written (after its event)."""
+        """The checkpoint of ``run`` and the listeners' states, written (after its event); on a
+        process that does not write (a rank other than 0), the path it would have, unwritten."""
+        if not self.writes:
+            if asynchronous:
+                done: Future[Path] = Future()
+                done.set_result(Path(filepath))
+                return done
+            return Path(filepath)
         listeners = {}
         for key, listener in self.keyed_listeners():
             state = listener.state_dict()
@@ -340,7 +350,7 @@ class Checkpointer:
                 if callable(getattr(logger, "after_save_checkpoint", None)):
                     logger.after_save_checkpoint(listener)
         saved = os.path.abspath(request.path)
-        doomed = tuple(p for p in request.replaces if os.path.abspath(p) != saved)
+        doomed = tuple(p for p in request.replaces if os.path.abspath(p) != saved and self.writes)
         if request.asynchronous:
             self.in_flight.append(_InFlight(out, os.fspath(request.path), doomed, listener))
         else:
@@ -452,12 +462,21 @@ class SignalCatcher:
             for s, h in previous.items():
                 signal.signal(s, h)
 
-    def stop(self, state: TrainState, root: str, save: Callable[[Path], Any]) -> NoReturn:
+    def stop(
+        self,
+        state: TrainState,
+        root: str,
+        save: Callable[[Path], Any],
+        barrier: Callable[[], None] = lambda: None,
+    ) -> NoReturn:
         """Save ``state``'s run with ``save`` (the Trainer's ``save_checkpoint``) under
-        ``root``'s ``checkpoints``, say where on stderr, and exit as the signal asks."""
+        ``root``'s ``checkpoints``, say where on stderr, and exit as the signal asks; with
+        several ranks, each exits once every rank is past the save (``barrier``), so no launcher
+        ends rank 0's write by seeing another rank exit first."""
         assert self.received is not None
         name = signal.Signals(self.received).name
         path = save(Path(root) / "checkpoints" / f"interrupted-step={state.step}")
+        barrier()
         message = (
             f"{name} received: finished step {state.step} (epoch {state.epoch}, "
             f"batch {state.batch_idx}), saved a checkpoint to {path}; resume exactly with "

@@ -498,7 +498,14 @@ class Listener:
     Subclassing is optional; the Trainer looks for methods named after :class:`Event` values on
     any object passed in ``callbacks``. ``state_dict`` / ``load_state_dict`` let a listener's
     own state (EarlyStopping's best score, say) travel in checkpoints.
+
+    ``rank_zero_only = True`` marks a listener whose work is a side effect of one process (a
+    progress bar, a printed summary, a file it writes): in a multi-process run it hears events
+    on rank 0 only. A listener that decides (stops, saves) runs on every rank, so every rank
+    decides alike; the driver carries out its saves on rank 0.
     """
+
+    rank_zero_only: bool = False
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -38,6 +39,7 @@ from engine.data import (
     order_outside_the_state,
     randomness_outside_the_state,
     resolve_loaders,
+    restore_loader,
     setup_datamodule,
     teardown_datamodule,
 )
@@ -58,8 +60,10 @@ from engine.loop.fit import fit as fit_loop
 from engine.loop.flags import resolve
 from engine.loop.progress import Progress
 from engine.optim import clip_by_global_norm, clip_by_value
+from engine.parallel.select import select_strategy
 from engine.state import TrainState
 from engine.task import Task
+from engine.transforms.devices import resolve_devices
 
 __all__ = ["Trainer"]
 
@@ -170,11 +174,25 @@ class Trainer(FlagViews):
                 p
                 for p in plugged
                 if isinstance(p, transforms.Transform)
-                and not isinstance(p, (transforms.SingleDevice, transforms.DetectAnomaly))
+                and not isinstance(
+                    p, (transforms.SingleDevice, transforms.DetectAnomaly, transforms.Strategy)
+                )
             ),
             None,
         ) or transforms.precision_transform(self.config.precision)
         io = next((p for p in plugged if isinstance(p, checkpoint.CheckpointIO)), None)
+        # how the work is spread over processes (engine.parallel): rank facts, sharding,
+        # the gradients' reduction, the collectives at the loop's checks
+        here = resolve_devices(accelerator, devices)
+        self._processes = len(here)
+        self._strategy = select_strategy(
+            strategy, processes=len(here), num_nodes=num_nodes, devices=here, plugins=plugged
+        )
+        # a strategy that places each rank (its local rank's device) does, unless a placement
+        # was plugged in
+        self._user_placement = any(isinstance(p, transforms.SingleDevice) for p in plugged)
+        self._inside_launch = False  # a launcher's processes run the entry point itself
+        self._sharded: list[Any] = []  # loaders this run sharded, put back when it ends
         # fast_dev_run and barebones log nowhere (a barebones logger is refused by resolve)
         quiet = self.config.fast_dev_run or self.config.barebones
         self.loggers = [] if quiet else self._build_loggers(logger)
@@ -296,19 +314,46 @@ class Trainer(FlagViews):
     @property
     def root_device(self) -> torch.device:
         """The device the run lives on (Lightning's ``trainer.strategy.root_device``)."""
-        return self._placement.device
+        return self._placement_now().device
+
+    def _placement_now(self) -> transforms.SingleDevice:
+        """The placement: the plugged one, else this rank's device (the strategy's: a
+        spawned process learns its local rank only once it runs), else the flags'."""
+        placed = None if self._user_placement else self._strategy.root_device
+        if placed is None or placed == self._placement.device:
+            return self._placement
+        return transforms.SingleDevice(placed, transfer=self._placement.transfer)
 
     @property
     def num_devices(self) -> int:
-        """How many devices the run uses: one (multi-device strategies are still to come)."""
-        return 1
+        """The devices (processes) the run uses on each node (Lightning's
+        ``trainer.num_devices``)."""
+        return self._processes
 
-    # one process until DDP / FSDP land: Lightning's rank attributes, for code that reads them
-    world_size = 1
-    global_rank = 0
-    local_rank = 0
-    node_rank = 0
-    is_global_zero = True
+    @property
+    def world_size(self) -> int:
+        """The processes of the run, on every node (the strategy's)."""
+        return self._strategy.world_size
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among them."""
+        return self._strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return self._strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        """This process's node."""
+        return self._strategy.node_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this is rank 0, the process that writes logs and checkpoints."""
+        return self._strategy.is_global_zero
 
     @property
     def device_ids(self) -> list[int]:
@@ -432,8 +477,9 @@ class Trainer(FlagViews):
             step = self._row_step()
         if run_row:
             row.setdefault("epoch", self.current_epoch)
-        for lg in self.loggers:
-            lg.log_metrics(row, step)
+        if self.is_global_zero:  # one rank writes the run's logs
+            for lg in self.loggers:
+                lg.log_metrics(row, step)
         self.logged_metrics.update(row)
         self.callback_metrics.update(metrics)
         self._version += 1
@@ -461,9 +507,17 @@ class Trainer(FlagViews):
         """Claim the loggers' run directories (``claim()``: a version another process took
         meanwhile is not shared), once the fit's flags and data have been checked (a refused
         value leaves no directory behind) and before the listeners read ``log_dir``."""
-        for lg in self.loggers:
-            if callable(getattr(lg, "claim", None)):
-                lg.claim()
+        strategy = self._strategy
+        if strategy.is_global_zero:
+            for lg in self.loggers:
+                if callable(getattr(lg, "claim", None)):
+                    lg.claim()
+        if strategy.world_size > 1:  # every rank names rank 0's directories
+            versions = strategy.broadcast([getattr(lg, "version", None) for lg in self.loggers])
+            for lg, version in zip(self.loggers, versions, strict=True):
+                adopt = getattr(lg, "adopt", None)
+                if callable(adopt) and not strategy.is_global_zero:
+                    adopt(version)
 
     def _check_schedule(self, train_loader: Any, val_loaders: Sequence[Any]) -> None:
         """Raise what :func:`engine.loop.schedule.val_check_batch` raises for the fit's first
@@ -680,6 +734,10 @@ class Trainer(FlagViews):
             loggers=self.loggers,
             train_dataloader=self.train_dataloader,
             datamodule=self.datamodule,
+            world_size=self.world_size,
+            global_rank=self.global_rank,
+            local_rank=self.local_rank,
+            node_rank=self.node_rank,
         )
         self._view, self._view_state, self._view_version = view, state, self._version
         return view
@@ -791,8 +849,15 @@ class Trainer(FlagViews):
         self._log_step = None if stage == "fit" else state.step
         self._progress = self._progress._replace(should_stop=False)
         self.ckpt_path = None  # set by _restore when this run resumes from a checkpoint
-        self._emitter = Emitter(self.callbacks)
+        # listeners whose work is a side effect of one process (the bar, the summary, the
+        # journal: `rank_zero_only = True`) run on rank 0 only; the others decide on every rank
+        zero = self.is_global_zero
+        self._emitter = Emitter(
+            [x for x in self.callbacks if zero or not getattr(x, "rank_zero_only", False)]
+        )
+        self._checkpointer.writes = zero  # rank 0 writes the replicated state's checkpoints
         stack = contextlib.ExitStack()
+        stack.callback(self._unshard)
         if stage == "fit":
             stack.enter_context(self._signals.catching())
         if self.deterministic and self.root_device.type == "cuda":
@@ -832,9 +897,11 @@ class Trainer(FlagViews):
                 yield
                 # the run's last check: an asynchronous save that failed fails the run
                 self._checkpointer.reap(wait=True)
+                # no rank returns (or exits) while rank 0 still writes the run's last files
+                self._strategy.barrier()
             except BaseException as e:
                 self._emit(Event.ON_EXCEPTION, exception=e)
-                for lg in self.loggers:
+                for lg in self.loggers if zero else ():
                     if callable(getattr(lg, "finalize", None)):
                         lg.finalize(
                             "failed" if not isinstance(e, KeyboardInterrupt) else "interrupted"
@@ -843,7 +910,7 @@ class Trainer(FlagViews):
             if datamodule is not None:  # Lightning: the datamodule's, then the listeners'
                 teardown_datamodule(datamodule, stage)
             self._emit(Event.TEARDOWN)
-            for lg in self.loggers:
+            for lg in self.loggers if zero else ():
                 if callable(getattr(lg, "finalize", None)):
                     lg.finalize("success")
 
@@ -869,7 +936,35 @@ class Trainer(FlagViews):
             ckpt_path: resume from a checkpoint: a path, ``"last"`` or ``"best"`` (of the
                 ``ModelCheckpoint`` listener). ``state`` then gives only the structure (model and
                 optimizer); every value comes from the checkpoint.
+
+        With ``devices=N`` and no launcher of its own (torchrun, SLURM), the Trainer starts the
+        other processes: ``strategy="ddp"`` runs the script again in each (they reach this
+        call and join), ``"ddp_spawn"`` runs this call in new processes and returns rank 0's
+        final state here.
         """
+        return self._launching(
+            "_fit_entry", task, state, train_dataloaders, val_dataloaders, datamodule, ckpt_path
+        )
+
+    def _launching(self, entry: str, *args: Any) -> Any:
+        """Run the entry point ``entry`` on every process of the run: started by the
+        strategy's launcher where it has one (then rank 0's result comes back), else here,
+        in the process group the strategy joins."""
+        launcher = None if self._inside_launch else self._strategy.launcher
+        if launcher is None:
+            self._strategy.setup()
+            return getattr(self, entry)(*args)
+        return launcher.launch(_launched, self, entry, args)
+
+    def _fit_entry(
+        self,
+        task: Task,
+        state: TrainState,
+        train_dataloaders: Any,
+        val_dataloaders: Any,
+        datamodule: Any,
+        ckpt_path: str | None,
+    ) -> TrainState:
         self._check_directories()  # before any work: a directory that cannot be written says so
         if datamodule is None and is_datamodule(train_dataloaders):
             datamodule, train_dataloaders = train_dataloaders, None
@@ -943,7 +1038,7 @@ class Trainer(FlagViews):
             clip = (
                 clip_by_global_norm if self.gradient_clip_algorithm == "norm" else clip_by_value
             )(float(self.gradient_clip_val))
-        placement = self._placement
+        placement = self._placement_now()
         if self.task is not None and self.task.transfer_batch_to_device is not None:
             placement = transforms.SingleDevice(
                 placement.device, transfer=self.task.transfer_batch_to_device
@@ -952,6 +1047,7 @@ class Trainer(FlagViews):
             placement=placement,
             precision=self._precision,
             observe=self._observer() if fit else None,
+            strategy=self._strategy,
             clip=clip,
             accumulate=self.accumulate_grad_batches,
             compile=self.compile,
@@ -1031,7 +1127,7 @@ class Trainer(FlagViews):
         enable_validation = sum(self.num_val_batches) > 0
         if task.hparams:
             checkpoint._hparams_doc(task.hparams)  # a value checkpoints cannot hold: named now
-            for lg in self.loggers:
+            for lg in self.loggers if self.is_global_zero else ():
                 lg.log_hyperparams(dict(task.hparams))
         self._emit(Event.ON_FIT_START)
 
@@ -1100,9 +1196,19 @@ class Trainer(FlagViews):
         run reads them: every resolved loader list passes through here before its batches are
         counted or read (fit's, the validation and training loaders
         ``reload_dataloaders_every_n_epochs`` fetches, validate's, test's and predict's). The
-        strategy's seam (a data-parallel one gives each process its shard); in one process,
-        the loaders as given."""
-        return loaders
+        strategy's seam (a data-parallel one gives each process its shard, in place: put back
+        when the run ends); in one process, or with ``use_distributed_sampler=False``, the
+        loaders as given."""
+        if self._strategy.world_size == 1 or not self.use_distributed_sampler:
+            return loaders
+        out = [self._strategy.shard(dl, stage) for dl in loaders]
+        self._sharded.extend(out)
+        return out
+
+    def _unshard(self) -> None:
+        for loader in self._sharded:
+            restore_loader(loader)
+        self._sharded.clear()
 
     # ------------------------------------------------------------------ evaluation entry points
 
@@ -1116,8 +1222,16 @@ class Trainer(FlagViews):
         datamodule: Any = None,
     ) -> list[dict[str, float]]:
         """Run one validation epoch; returns one dict of metrics per dataloader."""
-        return self._eval_entry(
-            "validate", "validation", task, state, dataloaders, datamodule, ckpt_path, verbose
+        return self._launching(
+            "_eval_entry",
+            "validate",
+            "validation",
+            task,
+            state,
+            dataloaders,
+            datamodule,
+            ckpt_path,
+            verbose,
         )
 
     def test(
@@ -1130,8 +1244,8 @@ class Trainer(FlagViews):
         datamodule: Any = None,
     ) -> list[dict[str, float]]:
         """Run one test epoch; returns one dict of metrics per dataloader."""
-        return self._eval_entry(
-            "test", "test", task, state, dataloaders, datamodule, ckpt_path, verbose
+        return self._launching(
+            "_eval_entry", "test", "test", task, state, dataloaders, datamodule, ckpt_path, verbose
         )
 
     def _eval_entry(
@@ -1190,7 +1304,21 @@ class Trainer(FlagViews):
         return_predictions: bool | None = None,
         ckpt_path: str | None = None,
     ) -> list[Any] | None:
-        """Run prediction; returns the outputs (a list per dataloader when there are several)."""
+        """Run prediction; returns the outputs (a list per dataloader when there are several:
+        under several processes, this rank's shard's)."""
+        return self._launching(
+            "_predict_entry", task, state, dataloaders, datamodule, return_predictions, ckpt_path
+        )
+
+    def _predict_entry(
+        self,
+        task: Task,
+        state: TrainState,
+        dataloaders: Any,
+        datamodule: Any,
+        return_predictions: bool | None,
+        ckpt_path: str | None,
+    ) -> list[Any] | None:
         if datamodule is None and is_datamodule(dataloaders):
             datamodule, dataloaders = dataloaders, None
         if datamodule is not None:
@@ -1222,6 +1350,17 @@ class Trainer(FlagViews):
         if not keep:
             return None
         return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _launched(trainer: Trainer, entry: str, args: tuple[Any, ...]) -> Any:
+    """An entry point in a process a launcher started (or in rank 0 of the launching one):
+    it joins the run's process group and runs, without launching again."""
+    trainer._inside_launch = True
+    try:
+        trainer._strategy.setup()
+        return getattr(trainer, entry)(*args)
+    finally:
+        trainer._inside_launch = False
 
 
 class _Services:
@@ -1272,8 +1411,9 @@ class _EvalRun(_Services):
         return self.trainer.task.reducer()
 
     def compute(self, reducer: Any) -> dict[str, float]:
-        # every evaluation epoch's metrics, computed here: one process's are the run's
-        return reducer.compute()
+        # every evaluation epoch's metrics, computed here: over every rank's shard (one
+        # process's are the run's)
+        return reducer.compute(self.trainer._strategy.sync, sync_all=True)
 
     def log(self, state: TrainState, progress: Progress, metrics: dict[str, float]) -> None:
         t = self.trainer
@@ -1360,11 +1500,28 @@ class _FitRun(_Services):
         )
         return state, progress
 
-    def check_signal(self, state: TrainState, progress: Progress) -> None:
+    def epoch_metrics(self, reducer: Any) -> dict[str, float]:
+        # the training epoch's reductions; those logged with sync_dist over every rank's
+        return reducer.epoch_logged(self.trainer._strategy.sync)
+
+    def agree(self, state: TrainState, progress: Progress) -> Progress:
+        t = self.trainer
+        stop, signalled = t._strategy.agree((progress.should_stop, t._signals.received is not None))
+        if signalled and t._signals.received is None:  # another rank's: stop with it
+            t._signals.received = signal.SIGTERM
+        if stop != progress.should_stop:
+            progress = progress._replace(should_stop=stop)
+            t._progress = progress
+            t._version += 1
+        return progress
+
+    def check(self, state: TrainState, progress: Progress) -> Progress:
+        progress = self.agree(state, progress)
         t = self.trainer
         if t._signals.received is not None:
             t._state, t._progress = state, progress
-            t._signals.stop(state, t.default_root_dir, t.save_checkpoint)
+            t._signals.stop(state, t.default_root_dir, t.save_checkpoint, t._strategy.barrier)
+        return progress
 
 
 def _datamodule_state(datamodule: Any) -> Mapping[str, Any] | None:

@@ -82,12 +82,31 @@ def test_an_absent_gpu_is_named_with_what_the_machine_has(machine):
 
 
 @pytest.mark.parametrize(
-    ("accelerator", "devices"), [("cuda", 2), ("cuda", -1), ("cuda", [0, 1]), ("cpu", 4)]
+    ("accelerator", "devices", "names"),
+    [
+        ("cuda", 2, ["cuda:0", "cuda:1"]),
+        ("cuda", -1, ["cuda:0", "cuda:1"]),
+        ("cuda", [1, 0], ["cuda:1", "cuda:0"]),
+        ("cpu", 4, ["cpu"] * 4),
+    ],
 )
-def test_more_than_one_device_waits_for_the_distributed_strategies(machine, accelerator, devices):
+def test_more_than_one_device_is_one_process_each_under_ddp(
+    machine, monkeypatch, accelerator, devices, names
+):
+    from engine.parallel import DDP
+
     machine(cuda=2)
-    with pytest.raises(ValueError, match="multi-process strategy"):
-        eg.Trainer(accelerator=accelerator, devices=devices, **QUIET)
+    trainer = eg.Trainer(accelerator=accelerator, devices=devices, **QUIET)
+    assert isinstance(trainer._strategy, DDP)
+    assert trainer.num_devices == len(names) and trainer.world_size == len(names)
+    assert str(trainer.root_device) == names[0] and trainer.is_global_zero
+    monkeypatch.setenv("LOCAL_RANK", "1")  # as the launcher sets it in the second process
+    monkeypatch.setenv("ENGINE_LAUNCHED_BY", "test")
+    trainer = eg.Trainer(accelerator=accelerator, devices=devices, **QUIET)
+    assert str(trainer.root_device) == names[1] and trainer.global_rank == 1
+    assert not trainer.is_global_zero
+    with pytest.raises(ValueError, match=r"strategy='single_device'.*pass strategy='ddp'"):
+        eg.Trainer(accelerator=accelerator, devices=devices, strategy="single_device", **QUIET)
 
 
 @pytest.mark.parametrize("name", ["tpu", "hpu", "ipu", "xla"])

@@ -75,8 +75,16 @@ class _Services:
         self.validations += 1
         return state, progress
 
-    def check_signal(self, state, progress):
+    def epoch_metrics(self, reducer):
+        return reducer.epoch_logged()
+
+    def agree(self, state, progress):
+        self.agreements = getattr(self, "agreements", 0) + 1
+        return progress
+
+    def check(self, state, progress):
         assert progress.phase is Phase.BETWEEN
+        return self.agree(state, progress)
 
 
 def _setup():

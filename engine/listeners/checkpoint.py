@@ -259,6 +259,8 @@ class ModelCheckpoint(Listener):
         if self.dirpath is None:
             root = rec.run.log_dir or rec.run.default_root_dir
             self.dirpath = os.path.join(root, "checkpoints")
+        if not rec.run.is_global_zero:  # rank 0 writes the directory, and tidies it
+            return
         if rec.stage == "fit":  # what a crashed save left (a replaced checkpoint is put back)
             checkpoint.clean_leftovers(self.dirpath)
         if rec.stage == "fit" and self.save_top_k != 0 and _non_empty_dir(self.dirpath):
@@ -276,7 +278,12 @@ class ModelCheckpoint(Listener):
         self._defer_until_validation = False
         self._pending_saves, self._pending_removals = [], []  # left by a failed fit
         self._unsettled = {}
-        if self.dirpath is not None and not self._outside_fit(rec) and self._saves():
+        if (
+            self.dirpath is not None
+            and rec.run.is_global_zero  # the rank that writes claims the directory
+            and not self._outside_fit(rec)
+            and self._saves()
+        ):
             lock = checkpoint._RunLock(self.dirpath)
             try:
                 lock.acquire()

@@ -105,6 +105,8 @@ class Journal(Listener):
         (2, True)
     """
 
+    rank_zero_only = True  # its output is the run's, written once
+
     def __init__(
         self,
         dirpath: str | os.PathLike[str] | None = None,

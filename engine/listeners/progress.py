@@ -256,6 +256,8 @@ class ProgressBar(Listener):
         Epoch 0: 100% 4/4 [00:00, ...it/s, train/loss=0.25]
     """
 
+    rank_zero_only = True  # its output is the run's, written once
+
     def __init__(
         self,
         refresh_rate: int = 1,

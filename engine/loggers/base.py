@@ -103,6 +103,13 @@ class Logger:
             self._claimed = True
         return self.log_dir
 
+    def adopt(self, version: int | str) -> None:
+        """Take the version another process claimed (rank 0 of a multi-process run): this
+        logger names the same directory and never claims or writes one itself."""
+        if isinstance(version, bool) or not isinstance(version, (int, str)):
+            raise TypeError(f"adopt(version={version!r}): pass the int or str rank 0 claimed")
+        self._version, self._claimed = version, True
+
     def _make_dir(self) -> str:
         """:meth:`claim` this run's directory and make sure it exists; returns it."""
         path = self.claim()

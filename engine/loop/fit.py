@@ -77,8 +77,20 @@ class FitServices(Protocol):
         """A validation run, in phase ``VALIDATION`` (the loaders reloaded on schedule)."""
         ...
 
-    def check_signal(self, state: TrainState, progress: Progress) -> None:
-        """If SIGTERM / SIGINT came: save an interrupted checkpoint and exit (raises)."""
+    def epoch_metrics(self, reducer: Any) -> dict[str, float]:
+        """The training epoch's reductions, named for the loggers (those logged with
+        ``sync_dist`` reduced over every rank)."""
+        ...
+
+    def agree(self, state: TrainState, progress: Progress) -> Progress:
+        """``progress`` with a stop asked for on any rank, and a signal received by any, on
+        every rank (one collective; the identity in one process): every place the loop reads
+        ``should_stop`` is preceded by one, so every rank takes the same branch."""
+        ...
+
+    def check(self, state: TrainState, progress: Progress) -> Progress:
+        """:meth:`agree`, then, if SIGTERM / SIGINT came (to any rank): save an interrupted
+        checkpoint and exit (raises)."""
         ...
 
 
@@ -138,6 +150,7 @@ def fit(
             )
             validate_this_epoch = schedule.validates_this_epoch(config, epoch, enable_validation)
             state, progress = run.emit(Event.ON_TRAIN_EPOCH_START, state, progress)
+            progress = run.agree(state, progress)
 
             # position the loader at the state's batch of this epoch
             if not any(x is train_loader for x in positioned):
@@ -186,6 +199,7 @@ def fit(
                     batch=batch,
                     batch_idx=batch_idx,
                 )
+                progress = run.agree(state, progress)  # a stop asked for now may validate
                 if validate_this_epoch and _validates_after(
                     config, state, progress, batch_idx, is_last
                 ):
@@ -194,20 +208,20 @@ def fit(
                 progress = progress._replace(
                     total_batch_idx=progress.total_batch_idx + 1, phase=Phase.BETWEEN
                 )
-                run.check_signal(state, progress)
+                progress = run.check(state, progress)
                 if _epoch_done(config, state, progress):
                     break
 
             # the epoch's end
             if track:
-                epoch_metrics = reducer.epoch_logged()
+                epoch_metrics = run.epoch_metrics(reducer)
                 reducer.reset()
                 run.log(state, epoch_metrics)
             progress = progress._replace(phase=Phase.EPOCH_END)
             state, progress = run.emit(Event.ON_TRAIN_EPOCH_END, state, progress)
             state = state.replace(epoch=epoch + 1, batch_idx=0)
             progress = progress._replace(phase=Phase.BETWEEN)
-            run.check_signal(state, progress)  # one that came during the epoch's end
+            progress = run.check(state, progress)  # one that came during the epoch's end
         state, progress = run.emit(Event.ON_TRAIN_END, state, progress)
         state, progress = run.emit(Event.ON_FIT_END, state, progress)
     finally:

@@ -19,7 +19,7 @@ from typing import Any
 from engine import _config as cfg
 from engine.loop.config import LoopConfig
 from engine.transforms import SingleDevice, Transform, canonical_precision, precision_transform
-from engine.transforms.devices import resolve_device
+from engine.transforms.devices import resolve_devices
 
 __all__ = ["resolve"]
 
@@ -99,7 +99,9 @@ def resolve(
     cfg.check_choices(**{name: flags[name] for name in cfg.CHOICES})
     plugged = cfg.check_plugins(plugins, precision, detect_anomaly)
     precision_name = _precision(precision, plugged)
-    device = resolve_device(accelerator, devices)
+    here = resolve_devices(accelerator, devices)
+    world = cfg.check_strategy(strategy, len(here), num_nodes)
+    device = here[_local_rank(len(here))] if world > 1 else here[0]
     cfg.check_compile(compile)
     cfg.check_clip_val(gradient_clip_val)
     cfg.check_loggers(logger)
@@ -112,7 +114,7 @@ def resolve(
         resolved.update(dict.fromkeys(_ENABLE, False), num_sanity_val_steps=0)
     return LoopConfig(
         accelerator=accelerator,
-        strategy=strategy,
+        strategy=strategy if isinstance(strategy, str) else type(strategy).__name__,
         devices=devices if isinstance(devices, (int, str)) else tuple(devices),
         device=str(_placed(plugged) or device),
         num_nodes=num_nodes,
@@ -154,6 +156,25 @@ def _precision(flag: Any, plugins: tuple[Any, ...]) -> str:
         if repr(precision_transform(name)) == repr(plugged[0]):
             return name
     return repr(plugged[0])
+
+
+def _local_rank(processes: int) -> int:
+    """This process's index among this node's ``processes`` (``LOCAL_RANK``, which torchrun,
+    SLURM's launcher or the Trainer's own set; 0 in the process that launches the others)."""
+    import os
+
+    text = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    try:
+        rank = int(text)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={text!r} is not an int: it is set by the launcher") from None
+    if not 0 <= rank < processes:
+        raise ValueError(
+            f"LOCAL_RANK={rank} is outside range(devices={processes}): the launcher started "
+            f"more processes on this node than Trainer(devices=...) names; pass devices="
+            f"{rank + 1} or more, or launch {processes} per node"
+        )
+    return rank
 
 
 def _placed(plugins: tuple[Any, ...]) -> Any:

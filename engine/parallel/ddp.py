@@ -77,7 +77,7 @@ class DDP(Strategy):
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         start_method: str = "popen",
-        device: str | torch.device | None = None,
+        devices: Sequence[str | torch.device] | None = None,
     ) -> None:
         if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc"):
             raise ValueError(
@@ -99,7 +99,8 @@ class DDP(Strategy):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.start_method = start_method
-        self.device = torch.device(device) if device is not None else None
+        #: this node's devices, one per local rank (``None``: wherever the state is)
+        self.devices = None if devices is None else tuple(torch.device(d) for d in devices)
         self._joined = False
 
     # ------------------------------------------------------------------ who this process is
@@ -136,6 +137,45 @@ class DDP(Strategy):
     @property
     def node_rank(self) -> int:
         return self._env("node_rank", 0)
+
+    @property
+    def device(self) -> torch.device | None:
+        """This process's device: its local rank's among ``devices``."""
+        if not self.devices:
+            return None
+        return self.devices[self.local_rank % len(self.devices)]
+
+    @property
+    def root_device(self) -> torch.device | None:
+        return self.device
+
+    @property
+    def launcher(self) -> Any:
+        """What starts the other processes of a ``devices=N`` run that no launcher started
+        (``None`` under torchrun or SLURM, in a process already launched, or for one
+        process): :class:`~engine.parallel.launch.ScriptLauncher` for ``"popen"`` (the script
+        runs again), :class:`~engine.parallel.launch.SpawnLauncher` for ``"spawn"`` /
+        ``"fork"``."""
+        from engine.parallel.environments import LocalEnvironment
+
+        env = self.environment
+        if (
+            not isinstance(env, LocalEnvironment)
+            or env.creates_processes_externally
+            or env.world_size() == 1
+        ):
+            return None
+        from engine.parallel.launch import ScriptLauncher, SpawnLauncher
+
+        if self.start_method == "popen":
+            return ScriptLauncher(env.devices, env.num_nodes, env)
+        if env.num_nodes > 1:
+            raise ValueError(
+                f"DDP(start_method={self.start_method!r}) starts the processes of one node; for "
+                f"num_nodes={env.num_nodes} use strategy='ddp' (the script runs on each node) "
+                "or torchrun"
+            )
+        return SpawnLauncher(env.devices, start_method=self.start_method)
 
     def __repr__(self) -> str:
         return (

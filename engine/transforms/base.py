@@ -160,6 +160,11 @@ class Strategy(Transform):
         return 0
 
     @property
+    def root_device(self) -> Any:
+        """This process's device when the strategy places it (``None``: the placement's)."""
+        return None
+
+    @property
     def sync(self) -> Any:
         """What the metrics' reductions sync through (``None``: nothing to sync)."""
         return None

@@ -7,9 +7,9 @@
                    a list ``[i]`` or a string ``"i,"`` naming device ``i``
 =================  ==========================================================================
 
-More than one device needs a multi-process strategy (DDP, FSDP), which engine does not have yet:
-asking for one is an error that says so. ``devices="auto"`` means one device until then
-(Lightning's ``"auto"`` takes every GPU, which would need one).
+More than one device is one process per device under a multi-process strategy (``"ddp"``):
+:func:`resolve_devices` gives them. ``devices="auto"`` means one device (Lightning's ``"auto"``
+takes every GPU: ``devices=-1`` does that here).
 """
 
 from __future__ import annotations
@@ -19,14 +19,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["ACCELERATORS", "available_accelerators", "check_device", "resolve_device"]
+__all__ = [
+    "ACCELERATORS",
+    "available_accelerators",
+    "check_device",
+    "resolve_device",
+    "resolve_devices",
+]
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 # Lightning names these; engine runs none of them
 _ELSEWHERE = ("tpu", "hpu", "ipu", "xla", "xpu", "neuron")
 _MULTI = (
-    "more than one device needs a multi-process strategy (DDP or FSDP), which engine does not "
-    "have yet; pass devices=1 (or a list with one index, devices=[1])"
+    "more than one device needs a multi-process strategy: pass strategy='ddp' (or 'auto'), or "
+    "devices=1 (or a list with one index, devices=[1])"
 )
 
 
@@ -79,12 +85,13 @@ def _indices(devices: Any) -> list[int] | int | None:
 
 
 def resolve_device(accelerator: Any = "auto", devices: Any = "auto") -> torch.device:
-    """The device a run on ``accelerator`` with ``devices`` uses (Lightning's flags).
+    """The one device a run on ``accelerator`` with ``devices`` uses (Lightning's flags).
 
     Raises:
         ValueError: for an accelerator engine does not run on, one this machine does not have
             (the message lists what it has), an index past the devices found, or more than one
-            device.
+            device (:func:`resolve_devices` gives those, one per process of a multi-process
+            strategy).
 
     Example:
         >>> resolve_device("cpu", 1)
@@ -92,7 +99,26 @@ def resolve_device(accelerator: Any = "auto", devices: Any = "auto") -> torch.de
         >>> resolve_device("cpu", 2)
         Traceback (most recent call last):
         ...
-        ValueError: Trainer(devices=2): more than one device needs a multi-process strategy ...
+        ValueError: Trainer(devices=2): more than one device needs a multi-process strategy...
+    """
+    found = resolve_devices(accelerator, devices)
+    if len(found) > 1:
+        raise ValueError(f"Trainer(devices={devices!r}): {_MULTI}")
+    return found[0]
+
+
+def resolve_devices(accelerator: Any = "auto", devices: Any = "auto") -> tuple[torch.device, ...]:
+    """The devices of a run, one per process on this node: ``devices=4`` on the CPU is four
+    processes on the CPU; on CUDA, devices ``0..3`` (or the listed indices).
+
+    ``"auto"`` is one device (Lightning's ``"auto"`` takes every GPU: pass ``devices=-1`` for
+    that); ``-1`` is every GPU, or one CPU process.
+
+    Example:
+        >>> resolve_devices("cpu", 2)
+        (device(type='cpu'), device(type='cpu'))
+        >>> resolve_devices("cpu", "auto")
+        (device(type='cpu'),)
     """
     if not isinstance(accelerator, str):
         raise ValueError(
@@ -124,36 +150,43 @@ def resolve_device(accelerator: Any = "auto", devices: Any = "auto") -> torch.de
                 f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); this machine "
                 f"has: {found}. Pass accelerator='cpu' or 'auto'"
             )
-        if wanted is None:  # "auto" or -1
-            if devices in (-1, "-1") and count > 1:
-                raise ValueError(f"Trainer(devices={devices!r}): {count} GPUs found; {_MULTI}")
-            return torch.device("cuda", 0)
+        if wanted is None:  # "auto": one; -1: all
+            n = count if devices in (-1, "-1") else 1
+            return tuple(torch.device("cuda", i) for i in range(n))
         if isinstance(wanted, int):
-            if wanted > 1:
-                raise ValueError(f"Trainer(devices={devices!r}): {_MULTI}")
-            return torch.device("cuda", 0)
-        if len(wanted) > 1:
-            raise ValueError(f"Trainer(devices={devices!r}): {_MULTI}")
-        if wanted[0] >= count:
-            raise ValueError(
-                f"Trainer(devices={devices!r}): there is no CUDA device {wanted[0]}; this "
-                f"machine has: {found}"
-            )
-        return torch.device("cuda", wanted[0])
+            if wanted > count:
+                raise ValueError(
+                    f"Trainer(devices={devices!r}): this machine has {count} CUDA device(s): "
+                    f"{found}"
+                )
+            return tuple(torch.device("cuda", i) for i in range(wanted))
+        if len(set(wanted)) != len(wanted):
+            raise ValueError(f"Trainer(devices={devices!r}): a device is listed twice")
+        for i in wanted:
+            if i >= count:
+                raise ValueError(
+                    f"Trainer(devices={devices!r}): there is no CUDA device {i}; this "
+                    f"machine has: {found}"
+                )
+        return tuple(torch.device("cuda", i) for i in wanted)
     if name == "mps" and not _mps():
         raise ValueError(
             f"Trainer(accelerator={accelerator!r}): MPS is not available; this machine has: "
             f"{found}. Pass accelerator='cpu' or 'auto'"
         )
-    # the CPU and MPS: one device, index 0
-    if (isinstance(wanted, int) and wanted > 1) or (isinstance(wanted, list) and len(wanted) > 1):
-        raise ValueError(f"Trainer(devices={devices!r}): {_MULTI}")
-    if isinstance(wanted, list) and wanted[0] != 0:
-        raise ValueError(
-            f"Trainer(devices={devices!r}): {name} has one device, index 0; this machine has: "
-            f"{found}"
-        )
-    return torch.device(name)
+    if name == "mps" and (
+        (isinstance(wanted, int) and wanted > 1) or (isinstance(wanted, list) and len(wanted) > 1)
+    ):
+        raise ValueError(f"Trainer(devices={devices!r}): MPS is one device; pass devices=1")
+    if isinstance(wanted, list):
+        if any(i != 0 for i in wanted) or len(wanted) > 1:
+            raise ValueError(
+                f"Trainer(devices={devices!r}): {name} has one device, index 0 (for several "
+                f"processes on it pass a count, devices=2); this machine has: {found}"
+            )
+        return (torch.device(name),)
+    # the CPU: a count of processes ("auto" and -1: one)
+    return tuple(torch.device(name) for _ in range(wanted if isinstance(wanted, int) else 1))
 
 
 def check_device(device: torch.device, what: str) -> torch.device:

@@ -1,0 +1,63 @@
+"""The strategy a Trainer's ``strategy`` / ``devices`` / ``num_nodes`` / ``plugins`` flags
+describe, with its cluster environment and, where no launcher started the processes, its
+launcher."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.parallel.ddp import DDP
+from engine.parallel.environments import select_environment
+from engine.transforms.base import Strategy
+from engine.transforms.common import SingleProcess
+
+__all__ = ["select_strategy"]
+
+# Lightning's strategy names and the DDP options each stands for
+_DDP = {
+    "ddp": {"start_method": "popen"},
+    "ddp_spawn": {"start_method": "spawn"},
+    "ddp_fork": {"start_method": "fork"},
+    "ddp_notebook": {"start_method": "fork"},
+    "ddp_find_unused_parameters_true": {"start_method": "popen", "find_unused_parameters": True},
+    "ddp_find_unused_parameters_false": {"start_method": "popen"},
+    "ddp_spawn_find_unused_parameters_true": {
+        "start_method": "spawn",
+        "find_unused_parameters": True,
+    },
+}
+
+
+def select_strategy(
+    flag: str | Strategy,
+    *,
+    processes: int,
+    num_nodes: int,
+    devices: tuple[torch.device, ...],
+    plugins: tuple[Any, ...] = (),
+) -> Strategy:
+    """The strategy of a run with ``processes`` devices on each of ``num_nodes`` nodes, this
+    node's processes on ``devices`` (the flags were checked by ``engine._config.check_strategy``).
+
+    ``"auto"`` is :class:`DDP` for more than one process, else one process; a ``"ddp*"`` name
+    is :class:`DDP` with its options, even for one process (as Lightning runs it); a Strategy
+    object is used as given (its environment filled in when it has none).
+
+    Example:
+        >>> select_strategy("auto", processes=1, num_nodes=1, devices=(torch.device("cpu"),))
+        SingleProcess()
+    """
+    world = processes * num_nodes
+    if isinstance(flag, Strategy):
+        if isinstance(flag, DDP) and flag.environment is None:
+            flag.environment = select_environment(plugins, devices=processes, num_nodes=num_nodes)
+            if flag.devices is None:
+                flag.devices = devices
+        return flag
+    if flag == "single_device" or (flag == "auto" and world == 1):
+        return SingleProcess()
+    options = _DDP.get(flag, {"start_method": "popen"})
+    environment = select_environment(plugins, devices=processes, num_nodes=num_nodes)
+    return DDP(environment=environment, devices=devices, **options)
