@@ -100,21 +100,6 @@ CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-# Lightning's strategy names engine runs, and the data-parallel options each stands for
-STRATEGIES: dict[str, dict[str, Any]] = {
-    "auto": {},
-    "single_device": {},
-    "ddp": {"start_method": "popen"},
-    "ddp_spawn": {"start_method": "spawn"},
-    "ddp_fork": {"start_method": "fork"},
-    "ddp_notebook": {"start_method": "fork"},
-    "ddp_find_unused_parameters_true": {"start_method": "popen", "find_unused_parameters": True},
-    "ddp_find_unused_parameters_false": {"start_method": "popen"},
-    "ddp_spawn_find_unused_parameters_true": {
-        "start_method": "spawn",
-        "find_unused_parameters": True,
-    },
-}
 _OTHER_STRATEGIES = {
     "fsdp": "fully sharded training (FSDP2) arrives with its own issue; use strategy='ddp'",
     "deepspeed": "engine runs on torch.distributed only; use strategy='ddp'",
@@ -127,6 +112,7 @@ def check_strategy(value: Any, processes: int, num_nodes: Any) -> int:
     """``strategy`` and ``num_nodes`` against ``processes`` devices on each node; returns the
     world size (processes x nodes). A Strategy object (``engine.parallel.DDP(...)``) is taken as
     it is."""
+    from engine.parallel.select import STRATEGIES
     from engine.transforms.base import Strategy
 
     nodes = check_int("num_nodes", num_nodes, minimum=1)

@@ -13,10 +13,10 @@ from engine.parallel.environments import select_environment
 from engine.transforms.base import Strategy
 from engine.transforms.common import SingleProcess
 
-__all__ = ["select_strategy"]
+__all__ = ["STRATEGIES", "select_strategy"]
 
 # Lightning's strategy names and the DDP options each stands for
-_DDP = {
+_DDP: dict[str, dict[str, Any]] = {
     "ddp": {"start_method": "popen"},
     "ddp_spawn": {"start_method": "spawn"},
     "ddp_fork": {"start_method": "fork"},
@@ -28,6 +28,10 @@ _DDP = {
         "find_unused_parameters": True,
     },
 }
+
+
+#: the strategy names a Trainer takes
+STRATEGIES = ("auto", "single_device", *_DDP)
 
 
 def select_strategy(
