@@ -186,7 +186,12 @@ class Trainer(FlagViews):
         here = resolve_devices(accelerator, devices)
         self._processes = len(here)
         self._strategy = select_strategy(
-            strategy, processes=len(here), num_nodes=num_nodes, devices=here, plugins=plugged
+            strategy,
+            processes=len(here),
+            num_nodes=num_nodes,
+            devices=here,
+            plugins=plugged,
+            sync_batchnorm=sync_batchnorm,
         )
         # a strategy that places each rank (its local rank's device) does, unless a placement
         # was plugged in

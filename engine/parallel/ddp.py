@@ -62,6 +62,9 @@ class DDP(Strategy):
         start_method: how the Trainer starts the other processes of ``devices=N`` when no
             launcher did: ``"popen"`` (Lightning's ``"ddp"``: the script runs again),
             ``"spawn"`` (``"ddp_spawn"``) or ``"fork"`` (``"ddp_fork"``).
+        devices: this node's devices, one per local rank (the Trainer's ``devices``).
+        sync_batchnorm: batch norm statistics over every rank's batch (the Trainer's
+            ``sync_batchnorm``).
 
     Example:
         >>> DDP().world_size  # before setup(): read from the environment (one process here)
@@ -78,6 +81,7 @@ class DDP(Strategy):
         find_unused_parameters: bool = False,
         start_method: str = "popen",
         devices: Sequence[str | torch.device] | None = None,
+        sync_batchnorm: bool = False,
     ) -> None:
         if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc"):
             raise ValueError(
@@ -101,6 +105,7 @@ class DDP(Strategy):
         self.start_method = start_method
         #: this node's devices, one per local rank (``None``: wherever the state is)
         self.devices = None if devices is None else tuple(torch.device(d) for d in devices)
+        self.sync_batchnorm = bool(sync_batchnorm)
         self._joined = False
 
     # ------------------------------------------------------------------ who this process is

@@ -41,6 +41,7 @@ def select_strategy(
     num_nodes: int,
     devices: tuple[torch.device, ...],
     plugins: tuple[Any, ...] = (),
+    sync_batchnorm: bool = False,
 ) -> Strategy:
     """The strategy of a run with ``processes`` devices on each of ``num_nodes`` nodes, this
     node's processes on ``devices`` (the flags were checked by ``engine._config.check_strategy``).
@@ -59,9 +60,10 @@ def select_strategy(
             flag.environment = select_environment(plugins, devices=processes, num_nodes=num_nodes)
             if flag.devices is None:
                 flag.devices = devices
+            flag.sync_batchnorm = flag.sync_batchnorm or sync_batchnorm
         return flag
     if flag == "single_device" or (flag == "auto" and world == 1):
-        return SingleProcess()
+        return SingleProcess()  # sync_batchnorm: one process's statistics are the run's
     options = _DDP.get(flag, {"start_method": "popen"})
     environment = select_environment(plugins, devices=processes, num_nodes=num_nodes)
-    return DDP(environment=environment, devices=devices, **options)
+    return DDP(environment=environment, devices=devices, sync_batchnorm=sync_batchnorm, **options)
