@@ -515,13 +515,6 @@ def _all_reduce_rank():
     return {"rank": rank, "world": world, "local": os.environ["LOCAL_RANK"], "sum": t}
 
 
-def _train_state(seed):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(3, 2)
-    state = eg.TrainState.create(model, optim.adamw(1e-3), seed=seed)
-    return state.replace(step=int(os.environ["RANK"]) + 7)
-
-
 def _raise_on_rank_1():
     if os.environ["RANK"] == "1":
         raise KeyError("rank 1 has no such key")
@@ -549,13 +542,31 @@ def test_spawn_launcher_returns_rank_0s_value():
 
 @pytest.mark.slow
 def test_spawn_launcher_brings_a_train_state_back_usable():
-    state = SpawnLauncher(2, start_method="spawn", timeout=90).launch(_train_state, 5)
     torch.manual_seed(5)
-    reference = torch.nn.Linear(3, 2)
-    assert isinstance(state, eg.TrainState) and state.step == 7  # rank 0's
-    assert torch.equal(state.params["weight"], reference.weight.detach())
-    assert state.params["weight"].device.type == "cpu"
-    assert state.replace(step=8).step == 8 and state.copy().step == 7
+    model = torch.nn.Linear(3, 2)
+    tx = optim.adamw(1e-3)  # a closure: it travels to the children by cloudpickle
+    state = eg.TrainState.create(model, tx, seed=5)
+
+    def work(st):
+        rank = int(os.environ["RANK"])
+        return st.replace(step=rank + 7, opt_state=tx.init(st.params))
+
+    out = SpawnLauncher(2, start_method="spawn", timeout=90).launch(work, state)
+    assert isinstance(out, eg.TrainState) and out.step == 7  # rank 0's
+    assert torch.equal(out.params["weight"], model.weight.detach())
+    assert out.params["weight"].device.type == "cpu"
+    reference = tx.init(state.params)
+    got, want = _leaves(out.opt_state), _leaves(reference)
+    assert len(got) == len(want) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert out.replace(step=8).step == 8 and out.copy().step == 7
+    assert isinstance(out.module, torch.nn.Linear)
+
+
+def _leaves(tree):
+    from torch.utils import _pytree
+
+    return [x for x in _pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
 @needs_fork
@@ -599,3 +610,10 @@ def test_find_free_port_is_bindable():
     port = find_free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_spawn_launcher_refuses_to_launch_from_a_child_importing_the_script(monkeypatch):
+    # What a spawned process meets when the script runs its fit at import (no main guard).
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    with pytest.raises(RuntimeError, match=r"under `if __name__ == '__main__':`"):
+        SpawnLauncher(2, start_method="spawn").launch(print)

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
@@ -488,9 +489,7 @@ _pickle_module.load = pickle.load  # type: ignore[attr-defined]
 
 def _spawned(
     index: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    work: bytes | tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]],
     world: int,
     address: str,
     port: int,
@@ -509,13 +508,16 @@ def _spawned(
     )
     os.environ[LAUNCHED_BY_VAR] = f"spawn:{parent}"
     try:
+        fn, args, kwargs = cloudpickle.loads(work) if isinstance(work, bytes) else work
         result = fn(*args, **kwargs)
     except BaseException as error:
         _write_error(Path(outbox) / f"error-{index}.pkl", error)
         raise
     if index == 0:
         part = Path(outbox) / "result.pt.part"
-        torch.save(result, part)  # tensors on any device; the caller maps them to the CPU
+        # cloudpickle: what came by value (closures, the script's classes) goes back by value;
+        # tensors on any device, which the caller maps to the CPU
+        torch.save(result, part, pickle_module=cloudpickle)
         part.rename(Path(outbox) / "result.pt")
 
 
@@ -538,33 +540,35 @@ def _write_error(path: Path, error: BaseException) -> None:
 
 class SpawnLauncher:
     """Run a function in ``num_processes`` new processes and return rank 0's value (Lightning's
-    ``"ddp_spawn"``; ``start_method="fork"`` is ``"ddp_fork"``).
+        ``"ddp_spawn"``; ``start_method="fork"`` is ``"ddp_fork"``).
 
-    Each process gets ``LOCAL_RANK`` = ``RANK`` = its index, ``WORLD_SIZE``, ``MASTER_ADDR`` and
-    ``MASTER_PORT`` (a free port unless ``main_port`` is given). Rank 0's return value comes
-    back through a file (``torch.save``; its tensors on the CPU): a ``TrainState`` comes back
-    usable. A process that raises has its error re-raised here, of its own type and message
-    when it unpickles (else :class:`ChildProcessFailed`), caused by the child's traceback; the
-    other processes get ``grace_period`` s to end, then SIGTERM, then SIGKILL after as long.
+        Each process gets ``LOCAL_RANK`` = ``RANK`` = its index, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+        ``MASTER_PORT`` (a free port unless ``main_port`` is given). ``fn`` and its arguments go to
+    the processes by cloudpickle (closures and the script's own classes included) except under
+    ``"fork"``, which copies them. Rank 0's return value comes
+        back through a file (``torch.save``; its tensors on the CPU): a ``TrainState`` comes back
+        usable. A process that raises has its error re-raised here, of its own type and message
+        when it unpickles (else :class:`ChildProcessFailed`), caused by the child's traceback; the
+        other processes get ``grace_period`` s to end, then SIGTERM, then SIGKILL after as long.
 
-    Args:
-        num_processes: processes to run ``fn`` in.
-        start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (the last two where the
-            platform has them). ``fn`` and its arguments must pickle under ``"spawn"``.
-        main_address: where rank 0's rendezvous listens.
-        main_port: its port; default: a free one, chosen at each ``launch``.
-        grace_period: seconds the others get to end after one failed.
-        timeout: seconds the whole run may take (then every process is killed and
-            ``TimeoutError`` raised); default: no limit.
+        Args:
+            num_processes: processes to run ``fn`` in.
+            start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (the last two where the
+                platform has them).
+            main_address: where rank 0's rendezvous listens.
+            main_port: its port; default: a free one, chosen at each ``launch``.
+            grace_period: seconds the others get to end after one failed.
+            timeout: seconds the whole run may take (then every process is killed and
+                ``TimeoutError`` raised); default: no limit.
 
-    Raises:
-        ValueError: a bad ``num_processes`` or ``start_method``, or one the platform lacks.
+        Raises:
+            ValueError: a bad ``num_processes`` or ``start_method``, or one the platform lacks.
 
-    Example:
-        >>> SpawnLauncher(2, start_method="thread")
-        Traceback (most recent call last):
-        ...
-        ValueError: SpawnLauncher(start_method='thread'): pass 'spawn', 'fork' or 'forkserver'
+        Example:
+            >>> SpawnLauncher(2, start_method="thread")
+            Traceback (most recent call last):
+            ...
+            ValueError: SpawnLauncher(start_method='thread'): pass 'spawn', 'fork' or 'forkserver'
     """
 
     def __init__(
@@ -608,14 +612,23 @@ class SpawnLauncher:
                 signal), naming its rank and exit code.
             TimeoutError: the run took longer than ``timeout``.
         """
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            raise RuntimeError(
+                "a spawned process, importing the main script again as spawn does, reached "
+                "a launch: the script starts its run at import. Put the run under "
+                "`if __name__ == '__main__':`, or use strategy='ddp' (or 'ddp_fork')"
+            )
         port = self.main_port if self.main_port is not None else find_free_port()
         with tempfile.TemporaryDirectory(prefix="engine-spawn-") as outbox:
+            work: Any = (fn, args, kwargs)
+            if self.start_method != "fork":
+                # the engine's optimizers and steps are closures, which pickle does not take:
+                # cloudpickle them (fork copies the process and pickles nothing)
+                work = cloudpickle.dumps(work)
             context = mp.start_processes(
                 _spawned,
                 args=(
-                    fn,
-                    args,
-                    kwargs,
+                    work,
                     self.num_processes,
                     self.main_address,
                     port,
