@@ -322,8 +322,12 @@ _SCRIPT = textwrap.dedent(
                 sum(range(1000))
         if mode == "rank0-raises" and rank == 0:
             raise ValueError("rank 0 broke")
-        if mode in ("exit-in-collective", "rank0-raises"):
-            dist.all_reduce(t)  # rank 1 is gone (or waits here for rank 0, which raised)
+        if mode == "exit-in-collective":
+            # rank 1 is gone; waited on here, as a strategy's bucketed reduce does, so that
+            # the innermost Python frame is not torch.distributed's
+            dist.all_reduce(t, async_op=True).wait()
+        if mode == "rank0-raises":
+            dist.all_reduce(t)  # waits here for rank 0, which raised
         dist.destroy_process_group()
         return t.item()
 

@@ -78,6 +78,15 @@ def _describe(code: int) -> str:
         return f"signal {-code} (exit code {code})"
 
 
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "gloo",
+    "NCCL",
+)
+
+
 def _is_communication_error(error: BaseException) -> bool:
     """An error a collective raises when a peer went away (gloo: "Connection closed by peer"):
     a consequence, when a child has just died, not a cause."""
@@ -86,8 +95,10 @@ def _is_communication_error(error: BaseException) -> bool:
         return True
     if not isinstance(error, RuntimeError):
         return False
+    if any(marker in str(error) for marker in _PEER_GONE):
+        return True  # raised by a C++ collective (work.wait()) called from any Python frame
     frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and f"torch{os.sep}distributed" in frames[-1].filename
+    return any(f"torch{os.sep}distributed" in frame.filename for frame in frames[-3:])
 
 
 def _async_raise(thread_id: int, exc_type: type[BaseException] | None) -> None:
@@ -151,9 +162,10 @@ class _Family:
         thread.start()
 
     def _poll(self) -> _Failure | None:
-        """Record the first child that ended with a non-zero status (under the lock)."""
+        """Record the first child that ended with a non-zero status of its own (not one we
+        stopped), under the lock."""
         with self.lock:
-            if self.failure is None and not self.closing:
+            if self.failure is None:
                 for rank, proc in self.procs.items():
                     code = proc.poll()
                     if code not in (None, 0) and rank not in self.terminated:
