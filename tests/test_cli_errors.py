@@ -38,7 +38,7 @@ WRONG: dict[str, list[str]] = {
     "accelerator": ["abc", "[a, b]", "3", "{a: 1}"],
     "strategy": ["abc", "[1]", "3"],
     "devices": ["abc", "-5", HUGE, "[a]", "[-1]", "0", "1.5", "{a: 1}"],
-    "num_nodes": ["0", "2", "-1", "1.5", *NOT_A_NUMBER],
+    "num_nodes": ["0", "-1", "1.5", *NOT_A_NUMBER],
     "precision": ["abc", "[16]", "7", "{a: 1}", HUGE],
     "fast_dev_run": ["-1", "abc", "[1]", HUGE],
     "max_epochs": ["-5", "1.5", *NOT_A_NUMBER],

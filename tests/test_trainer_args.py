@@ -58,8 +58,8 @@ _BOOL_FLAG = [0, 1, "yes", "False", 1.0]
 # flag -> values that must raise ValueError naming the flag
 BAD: dict[str, list[object]] = {
     "accelerator": [None, 1, True, "cpus", "CPU ", ["cpu"], "tpu", "hpu"],
-    "strategy": [None, 0, "single", ["auto"]],
-    "devices": [0, 1.0, True, "two", -2, [0.0], [True], (0.0,), 2, [0, 1], "0,1", [1], []],
+    "strategy": [None, 0, "single", ["auto"], "fsdp", "DDP"],
+    "devices": [0, 1.0, True, "two", -2, [0.0], [True], (0.0,), [0, 1], "0,1", [1], [], [0, 0]],
     "num_nodes": [0, -1, 1.0, True, "1"],
     "precision": [32.0, "fp32", True, 0, "32-bit", 8, "16-MIXED", "bf16-Mixed", "transformer"],
     "logger": [
@@ -154,9 +154,9 @@ BAD: dict[str, list[object]] = {
 # flag -> values Lightning documents (or this engine adds) that must construct
 GOOD: dict[str, list[object]] = {
     "accelerator": ["auto", "cpu"],
-    "strategy": ["auto", "single_device"],
-    "devices": ["auto", 1, "1", -1, "-1", [0], (0,), "0,"],
-    "num_nodes": [1],
+    "strategy": ["auto", "single_device", "ddp", "ddp_spawn", "ddp_find_unused_parameters_true"],
+    "devices": ["auto", 1, "1", -1, "-1", [0], (0,), "0,", 2, "3"],
+    "num_nodes": [1, 2],
     "precision": [
         None,
         32,
@@ -234,7 +234,7 @@ GOOD: dict[str, list[object]] = {
         [eg.transforms.TruePrecision(torch.float64), eg.checkpoint.CheckpointIO()],
         [eg.transforms.SingleDevice("cpu"), eg.transforms.DetectAnomaly()],
     ],
-    "sync_batchnorm": [False],
+    "sync_batchnorm": [False, True],
     "reload_dataloaders_every_n_epochs": [0, 1, 5],
     "default_root_dir": [None, "", "tmp", "path", "pathlike"],  # built in the test
     "compile": [
@@ -282,6 +282,9 @@ def test_a_lightning_value_still_constructs(flag, value, tmp_path, monkeypatch):
         value = eg.CSVLogger(tmp_path)
     if flag == "default_root_dir" and value in ("tmp", "path", "pathlike"):
         value = {"tmp": str(tmp_path), "path": tmp_path, "pathlike": _Path(str(tmp_path))}[value]
+    if flag == "num_nodes" and value > 1:  # several nodes find each other through these
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "29999")
     kwargs = {**QUIET, "default_root_dir": tmp_path, flag: value}
     trainer = eg.Trainer(**kwargs)
     if flag == "default_root_dir":

@@ -16,7 +16,16 @@ ranks one run:
   ``DistributedSampler`` pads, unpadded for evaluation so no sample counts twice;
 * ``agree`` / ``broadcast`` / ``barrier``: the few collectives the driver makes at the checks it
   already has (stops, signals, directory names);
-* ``sync``: the metrics' reductions across ranks (once per epoch).
+* ``sync``: the metrics' reductions across ranks (once per epoch);
+* ``sync_batchnorm=True``: ``prepare`` replaces the state's module's batch norms by synced ones
+  (statistics over every rank's batch) before any step is traced: torch's
+  ``nn.SyncBatchNorm`` on CUDA, :class:`engine.parallel.SyncBatchNorm` elsewhere (torch's
+  refuses CPU tensors), the parameter and buffer names unchanged;
+* ``broadcast_buffers=True`` (the default, as torch's DDP): after each optimizer step rank 0's
+  floating buffers (BatchNorm running statistics) are copied to every rank in one flattened
+  broadcast (none for a model without buffers), so every rank evaluates, and a checkpoint
+  resumes, with the same buffers. ``wrap_core`` does it, outside the compiled core, after the
+  core in which ``reduce`` ran (the one that steps the optimizer).
 
 The process group is joined in :meth:`DDP.setup` from a cluster environment
 (:mod:`engine.parallel.environments`: torchrun's variables, SLURM's, or the Trainer's own
@@ -30,14 +39,18 @@ import contextlib
 import datetime
 import os
 import warnings
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from engine import step as _step
+from engine.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from engine.state import TrainState
 from engine.transforms.base import Strategy
 
@@ -64,7 +77,13 @@ class DDP(Strategy):
             ``"spawn"`` (``"ddp_spawn"``) or ``"fork"`` (``"ddp_fork"``).
         devices: this node's devices, one per local rank (the Trainer's ``devices``).
         sync_batchnorm: batch norm statistics over every rank's batch (the Trainer's
-            ``sync_batchnorm``).
+            ``sync_batchnorm``): ``prepare`` converts the module's batch norms (see the
+            module's docstring); without it each rank normalises by its own batch's.
+        broadcast_buffers: after each optimizer step, rank 0's floating buffers on every rank
+            (torch DDP's ``broadcast_buffers``, whose broadcast is before each forward: the
+            same buffers at every optimizer step's forward when there is no accumulation; in
+            an accumulation window the other ranks' buffers are their own until its step).
+            ``False``: each rank keeps the running statistics of its own batches.
 
     Example:
         >>> DDP().world_size  # before setup(): read from the environment (one process here)
@@ -82,6 +101,7 @@ class DDP(Strategy):
         start_method: str = "popen",
         devices: Sequence[str | torch.device] | None = None,
         sync_batchnorm: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc"):
             raise ValueError(
@@ -106,7 +126,12 @@ class DDP(Strategy):
         #: this node's devices, one per local rank (``None``: wherever the state is)
         self.devices = None if devices is None else tuple(torch.device(d) for d in devices)
         self.sync_batchnorm = bool(sync_batchnorm)
+        self.broadcast_buffers = bool(broadcast_buffers)
         self._joined = False
+        # set by reduce (which runs once per optimizer step, inside the update core) and read
+        # by the wrap_core wrapper around it: a store only, so a compiled core is not guarded
+        # on it
+        self._stepped = False
 
     # ------------------------------------------------------------------ who this process is
 
@@ -161,19 +186,21 @@ class DDP(Strategy):
         process): :class:`~engine.parallel.launch.ScriptLauncher` for ``"popen"`` (the script
         runs again), :class:`~engine.parallel.launch.SpawnLauncher` for ``"spawn"`` /
         ``"fork"``."""
-        from engine.parallel.environments import LocalEnvironment
+        from engine.parallel.environments import LAUNCHED_BY_VAR, LocalEnvironment
 
         env = self.environment
-        if (
-            not isinstance(env, LocalEnvironment)
-            or env.creates_processes_externally
-            or env.world_size() == 1
-        ):
+        if not isinstance(env, LocalEnvironment) or env.world_size() == 1:
+            return None
+        if LAUNCHED_BY_VAR in os.environ:  # a process a launcher started: it only joins
             return None
         from engine.parallel.launch import ScriptLauncher, SpawnLauncher
 
         if self.start_method == "popen":
+            # also for the script's later calls in the launching process: the launcher starts
+            # no more processes, and watches the ones it started (a dead one is reported)
             return ScriptLauncher(env.devices, env.num_nodes, env)
+        if env.creates_processes_externally:
+            return None
         if env.num_nodes > 1:
             raise ValueError(
                 f"DDP(start_method={self.start_method!r}) starts the processes of one node; for "
@@ -246,7 +273,10 @@ class DDP(Strategy):
 
     def prepare(self, state: TrainState) -> TrainState:
         """Rank 0's tensors on every rank: parameters, buffers, optimizer and precision state
-        (broadcast in place, in flattened buckets), so every rank starts from the same bits."""
+        (broadcast in place, in flattened buckets), so every rank starts from the same bits;
+        with ``sync_batchnorm``, the module's batch norms replaced by synced ones first."""
+        if self.sync_batchnorm:
+            state = _with_sync_batchnorm(state)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return state
         state.check_alive("DDP.prepare()")
@@ -268,6 +298,7 @@ class DDP(Strategy):
     def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """The average of ``grads`` over the ranks: one all-reduce per bucket, every bucket in
         flight before the first is waited for."""
+        self._stepped = True  # the core running this steps the optimizer: see wrap_core
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world == 1:
             return grads
@@ -300,6 +331,24 @@ class DDP(Strategy):
             flat.div_(world)
             reduced.extend(_unflatten_dense_tensors(flat, bucket))
         return _in_order(names, tensors, buckets, reduced)
+
+    def wrap_core(self, core: Callable) -> Callable:
+        """``core`` followed, when it stepped the optimizer (``reduce`` ran in it), by rank 0's
+        floating buffers broadcast to every rank (``broadcast_buffers``). This wraps the
+        compiled core (the strategy comes before compilation in the one order), so the
+        broadcast is eager, outside the graph; evaluation and accumulation cores pass through."""
+        if not self.broadcast_buffers:
+            return core
+
+        def then_buffers(module: Any, params: Any, buffers: Any, *args: Any) -> Any:
+            self._stepped = False
+            out = core(module, params, buffers, *args)
+            if self._stepped:
+                self._stepped = False
+                _broadcast_buffers(module, buffers)
+            return out
+
+        return then_buffers
 
     # ------------------------------------------------------------------ the driver's collectives
 
@@ -351,6 +400,56 @@ class DDP(Strategy):
 
         make = getattr(metrics, "distributed_sync", None)
         return make() if make is not None else None
+
+
+def _with_sync_batchnorm(state: TrainState) -> TrainState:
+    """``state`` with its module's batch norms synced: torch's ``nn.SyncBatchNorm`` where the
+    state is on CUDA, ours elsewhere; the same tensors under the same names."""
+    module = state.module
+    if module is None or not any(
+        isinstance(m, _BatchNorm) and not isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm))
+        for m in module.modules()
+    ):
+        return state
+    tensors = (*state.params.values(), *state.buffers.values())
+    if any(t.device.type == "cuda" for t in tensors):
+        new = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    else:
+        new = convert_sync_batchnorm(module)
+    # the binder found the old layers' slots: the next call finds the new ones
+    _step._binders.pop(module, None)
+    return state if new is module else state.replace(module=new)
+
+
+_buffer_names: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _broadcast_buffers(module: nn.Module | None, buffers: dict[str, Tensor]) -> None:
+    """Rank 0's floating buffers (the module's own: not the frozen parameters that travel
+    with them) copied into ``buffers`` on every rank, flattened: one broadcast per dtype and
+    device, none without such buffers."""
+    if not buffers or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    names = None
+    if module is not None:
+        names = _buffer_names.get(module)
+        if names is None:
+            names = _buffer_names[module] = frozenset(k for k, _ in module.named_buffers())
+    tensors = [
+        t
+        for k, t in buffers.items()
+        if (names is None or k in names) and isinstance(t, Tensor) and t.is_floating_point()
+    ]
+    if not tensors:
+        return
+    receive = dist.get_rank() != 0
+    with torch.no_grad():
+        for bucket in _buckets(tensors, float(2**40)):  # no size cap: one per dtype and device
+            flat = _flatten_dense_tensors(bucket)
+            dist.broadcast(flat, src=0)
+            if receive:
+                for t, v in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                    t.copy_(v)
 
 
 def _host(address: str) -> str:
