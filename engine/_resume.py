@@ -53,6 +53,14 @@ class RunRecord(NamedTuple):
     hparams: Mapping[str, Any] | None = None
     # the datamodule's state_dict(), recorded as extra["datamodule"] (JSON values)
     datamodule: Mapping[str, Any] | None = None
+    # the run's world size (data-parallel ranks), recorded as extra["trainer"]["world_size"]
+    world_size: int = 1
+    # the training data's position unit: samples per rank per batch (batches, for a loader
+    # with its own batch sampler; None when unknown), extra["trainer"]["position_unit"]
+    position_unit: int | None = None
+    # inside an accumulation window on several ranks: the partial gradient sums of ranks
+    # 1.. (rank 0's is the state's), gathered to rank 0 by Checkpointer.save
+    rank_grad_accum: Sequence[Mapping[str, Any]] = ()
 
 
 class Restored(NamedTuple):
@@ -80,6 +88,12 @@ class Checkpointer:
         #: whether this process writes (and deletes) checkpoints: every rank of a
         #: data-parallel run holds the same state, and rank 0 alone writes it
         self.writes = True
+        #: this process's data-parallel rank and the world size (set by the Trainer per run):
+        #: a save inside an accumulation window gathers every rank's partial gradient sum
+        self.rank, self.world_size = 0, 1
+        # set while a save is carried out for a listener that runs on rank 0 alone (the
+        # journal): no other rank is there to join a collective
+        self._rank_zero_alone = False
 
     def keyed_listeners(self, *, stateful_only: bool = True) -> list[tuple[str, Any]]:
         """The listeners by key: ``state_key`` or the class name, ``#n`` for the n-th of a key."""
@@ -111,9 +125,12 @@ class Checkpointer:
         chained = False
         try:
             announce(os.fspath(filepath), landed)
+            run = record()
+            if not weights_only:
+                run = self._with_rank_sums(run)
             out = self.write(
                 filepath,
-                record(),
+                run,
                 metrics=metrics,
                 asynchronous=asynchronous,
                 weights_only=weights_only,
@@ -126,6 +143,21 @@ class Checkpointer:
                 landed.set_exception(e)
             raise
         return out
+
+    def _with_rank_sums(self, run: RunRecord) -> RunRecord:
+        """``run`` with every rank's partial gradient sum when it is saved inside an
+        accumulation window on several ranks: each rank has summed its own micro-batches, and
+        the step's all-reduce comes at the window's end, so a resume needs each rank's own.
+
+        Every rank saves the same checkpoints (a ``ModelCheckpoint`` decides on values every
+        rank shares; a signal's save is agreed; ``Trainer.save_checkpoint`` is called on every
+        rank, as Lightning's), so every rank joins this gather; a save for a listener that runs
+        on rank 0 alone gathers nothing, and its checkpoint holds rank 0's sum only (a resume
+        inside that window on several ranks is refused)."""
+        state = run.state
+        if self.world_size == 1 or state.grad_accum is None or self._rank_zero_alone:
+            return run
+        return run._replace(rank_grad_accum=gather_to_rank_zero(state.grad_accum))
 
     def write(
         self,
@@ -161,6 +193,10 @@ class Checkpointer:
                 "progress_bar_metrics": _finite_or_str(run.progress_bar_metrics),
                 # breaks ties between checkpoints of one step for ckpt_path="last"
                 "saved_at_ns": time.time_ns(),
+                # the data position on another world size: state.batch_idx counts each rank's
+                # batches, global sample batch_idx * position_unit * world_size
+                "world_size": run.world_size,
+                "position_unit": run.position_unit,
             },
             "config": run.config.to_json(),  # the flags the run was made with
             # the epoch's metric reduction so far: logged epoch means survive a resume bitwise
@@ -171,6 +207,9 @@ class Checkpointer:
         if run.datamodule:
             extra["datamodule"] = dict(run.datamodule)
         metrics = dict(run.callback_metrics) if metrics is None else metrics
+        # other ranks' partial gradient sums, only where there are some: a CheckpointIO of
+        # the user's own that takes no such argument still saves a one-process run
+        ranks = {"rank_grad_accum": run.rank_grad_accum} if run.rank_grad_accum else {}
         if asynchronous:  # its fingerprint is hashed from the snapshot, off the loop (journal)
             return self.io.save_async(
                 run.state,
@@ -179,9 +218,10 @@ class Checkpointer:
                 extra=extra,
                 fingerprint=True,
                 weights_only=weights_only,
+                **ranks,
             )
         return self.io.save(
-            run.state, filepath, metrics=metrics, extra=extra, weights_only=weights_only
+            run.state, filepath, metrics=metrics, extra=extra, weights_only=weights_only, **ranks
         )
 
     def resolve(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
@@ -268,6 +308,8 @@ class Checkpointer:
                 "optimizer state a fit continues from. Resume from a full checkpoint, or load "
                 "the weights into the state you start from (checkpoint.load(path, state))"
             )
+        if stage == "fit" and self.rank:  # its own partial gradient sum, inside a window
+            return self.io.load(path, template, rank=self.rank)
         return self.io.load(path, template)
 
     def restore_run(
@@ -336,6 +378,7 @@ class Checkpointer:
         The listener hears how the save ended (``checkpoint_settled(path, error)``, where it
         has that method): a ``ModelCheckpoint`` takes a checkpoint that was not written out of
         its ranking. A synchronous save that fails raises here, a ``CheckpointError``."""
+        self._rank_zero_alone = bool(getattr(listener, "rank_zero_only", False))
         try:
             out = save(
                 request.path, asynchronous=request.asynchronous, weights_only=request.weights_only
@@ -343,6 +386,8 @@ class Checkpointer:
         except BaseException as e:
             _settle(listener, request.path, e)
             raise
+        finally:
+            self._rank_zero_alone = False
         if not request.asynchronous:
             _settle(listener, request.path, None)
         if _is(listener, "ModelCheckpoint"):
@@ -542,3 +587,167 @@ def _finite_or_str(metrics: Mapping[str, float]) -> dict[str, Any]:
 
 def _is(obj: Any, cls_name: str) -> bool:
     return any(c.__name__ == cls_name for c in type(obj).__mro__)
+
+
+# ------------------------------------------------------------------ data-parallel resume
+
+
+def gather_to_rank_zero(sums: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The partial gradient sums ``sums`` of every rank, on rank 0: those of ranks 1, 2, ...
+    in order (rank 0's are ``sums``); ``[]`` on the other ranks, and in a process with no
+    process group. A collective: every rank of the group must call it. One ``gather`` per
+    dtype and device, of the tensors flattened (bitwise copies)."""
+    import torch
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return []
+    world, rank = dist.get_world_size(), dist.get_rank()
+    kinds: dict[tuple[Any, Any], list[str]] = {}
+    for name, t in sums.items():
+        kinds.setdefault((t.dtype, t.device), []).append(name)
+    out: list[dict[str, Any]] = [{} for _ in range(world - 1)]
+    with torch.no_grad():
+        for names in kinds.values():
+            tensors = [sums[n].detach() for n in names]
+            flat = _flatten_dense_tensors(tensors)
+            bins = [torch.empty_like(flat) for _ in range(world)] if rank == 0 else None
+            dist.gather(flat, bins, dst=0)
+            if bins is None:
+                continue
+            for r in range(1, world):
+                for n, t in zip(names, _unflatten_dense_tensors(bins[r], tensors), strict=True):
+                    out[r - 1][n] = t
+    if rank:
+        return []
+    return [{n: got[n] for n in sums} for got in out]  # the state's order
+
+
+def position_unit(loader: Any) -> int | None:
+    """What one of a rank's batches of ``loader`` advances the epoch's global position by,
+    divided by the world size: its ``batch_size`` for a ``DataLoader`` with torch's
+    ``BatchSampler`` (positions count samples), 1 for one with a batch sampler of its own
+    (positions count whole batches, as :func:`engine.data.shard_loader` deals them), ``None``
+    for anything else (an iterable: no position to carry to another world size)."""
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader
+
+    from engine import data
+
+    if not isinstance(loader, DataLoader) or isinstance(
+        loader.dataset, torch.utils.data.IterableDataset
+    ):
+        return None
+    bs = data._user_batch_sampler(loader)
+    if bs is None:
+        return None
+    if type(bs) is BatchSampler:
+        return int(bs.batch_size)
+    return 1
+
+
+def check_world(
+    path: Path, meta: Mapping[str, Any], *, world_size: int, accumulate: int | None
+) -> None:
+    """Refuse a fit resumed from the checkpoint at ``path`` (its ``meta``) on ``world_size``
+    ranks when the checkpoint was saved inside an accumulation window and does not hold a
+    partial gradient sum for each of those ranks: on another world size (each rank's sum is of
+    its own shard of the window, which no other dealing reproduces), or saved for a listener
+    that runs on rank 0 alone (it holds rank 0's only).
+
+    Raises:
+        CheckpointError: naming both world sizes and what to resume from instead.
+    """
+    micro = meta.get("micro_step", 0)
+    if not micro or not meta.get("has_grad_accum"):
+        return
+    saved = meta.get("extra", {}).get("trainer", {}).get("world_size", 1)
+    held = meta.get("grad_accum_ranks", 1)
+    where = (
+        f"inside an accumulation window ({micro} of accumulate_grad_batches={accumulate} "
+        f"micro-batches after step {meta.get('step')}, batch {meta.get('batch_idx')} of epoch "
+        f"{meta.get('epoch')})"
+    )
+    if saved != world_size:
+        raise checkpoint.CheckpointError(
+            f"fit(ckpt_path={str(path)!r}): the checkpoint was saved {where} on world size "
+            f"{saved}, and this run has world size {world_size}: each of the {saved} ranks "
+            f"holds a partial gradient sum of its own shard of the window, which cannot be "
+            f"dealt to {world_size} ranks. Resume on world size {saved} (devices x num_nodes), "
+            "or from a checkpoint saved at an optimizer step (a window boundary), which "
+            "resumes on any world size"
+        )
+    if held < world_size:
+        raise checkpoint.CheckpointError(
+            f"fit(ckpt_path={str(path)!r}): the checkpoint was saved {where} on world size "
+            f"{saved} but holds the partial gradient sums of {held} rank(s) only (saved for a "
+            "listener that runs on rank 0 alone, or by an engine that did not gather them): "
+            f"the other ranks' windows cannot continue. Resume from a checkpoint saved at an "
+            "optimizer step, or by a save every rank takes part in (ModelCheckpoint, a signal, "
+            "trainer.save_checkpoint on every rank)"
+        )
+
+
+def carry_position(
+    path: Path,
+    state: TrainState,
+    progress: Progress,
+    saved: Mapping[str, Any],
+    *,
+    world_size: int,
+    unit: int | None,
+) -> tuple[TrainState, Progress]:
+    """The state and progress of a fit resumed from the checkpoint at ``path`` (``saved``:
+    its ``extra.trainer``) on ``world_size`` ranks, each batch ``unit`` positions (see
+    :func:`position_unit`): the rank-local ``state.batch_idx`` converted so every new shard
+    starts at the epoch's global position ``N = batch_idx * unit_then * world_then`` where the
+    checkpoint's ranks stopped, ``N / (unit * world_size)`` batches into each new shard. The
+    epoch's earlier batches in ``progress.total_batch_idx`` are this world size's; the earlier
+    epochs' stay counted as they ran. Unchanged at an epoch's start or on the same world size.
+
+    Raises:
+        CheckpointError: if ``N`` is not a whole number of this world size's global batches,
+            or the loader's position cannot be told (naming ``N``, the batch sizes and the
+            world sizes, and what to do).
+
+    Example:
+        >>> import torch, engine as eg
+        >>> from engine import optim
+        >>> from engine.loop.progress import Progress
+        >>> s = eg.TrainState.create(torch.nn.Linear(2, 1), optim.sgd(0.1)).replace(batch_idx=4)
+        >>> saved = {"world_size": 2, "position_unit": 8}
+        >>> s, p = carry_position(Path("c"), s, Progress(total_batch_idx=4), saved,
+        ...                       world_size=1, unit=8)
+        >>> s.batch_idx, p.total_batch_idx  # 4 batches of 8 on each of 2 ranks: 64 samples
+        (8, 8)
+    """
+    was = saved.get("world_size", 1)
+    k = state.batch_idx
+    if was == world_size or k == 0:
+        return state, progress
+    was_unit = saved.get("position_unit", unit)
+    if was_unit is None or unit is None:
+        raise checkpoint.CheckpointError(
+            f"fit(ckpt_path={str(path)!r}): the checkpoint was saved {k} batches into epoch "
+            f"{state.epoch} on world size {was}, and this run has world size {world_size}, but "
+            "the training loader's position cannot be carried over (not a DataLoader over a "
+            "map-style dataset with a batch_size or batch sampler). Resume on world size "
+            f"{was}, or from a checkpoint saved at an epoch's end"
+        )
+    n = k * was_unit * was
+    per = unit * world_size
+    what = "samples" if unit != 1 or was_unit != 1 else "batches"
+    if n % per:
+        raise checkpoint.CheckpointError(
+            f"fit(ckpt_path={str(path)!r}): the checkpoint was saved at global position "
+            f"N={n} ({what}) of epoch {state.epoch}: {k} batches of {was_unit} on each of "
+            f"{was} ranks; on world size {world_size} with batches of {unit}, a global batch "
+            f"is {per}, and N is no whole number of them, so the new shards cannot start where "
+            f"the old ones stopped. Resume on world size {was}, with a batch size b such that "
+            f"b * {world_size} divides {n}, or from a checkpoint saved where N is a multiple "
+            f"of {per} (or at an epoch's end)"
+        )
+    new = n // per
+    total = max(progress.total_batch_idx - k + new, 0)
+    return state.replace(batch_idx=new), progress._replace(total_batch_idx=total)

@@ -35,7 +35,7 @@ import threading
 import time
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -103,7 +103,9 @@ _DOOMED = "del-"  # _TMP_PREFIX + _DOOMED + id: a checkpoint being deleted (remo
 
 
 def _flatten(
-    state: TrainState, weights_only: bool = False
+    state: TrainState,
+    weights_only: bool = False,
+    rank_grad_accum: Sequence[Mapping[str, Tensor]] = (),
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     tensors: dict[str, Tensor] = {}
     scalars: dict[str, Any] = {}
@@ -114,6 +116,20 @@ def _flatten(
         return tensors, scalars
     for k, t in (state.grad_accum or {}).items():
         tensors[f"grad_accum/{k}"] = t.detach()
+    if rank_grad_accum and state.grad_accum is None:
+        raise CheckpointError(
+            "rank_grad_accum= gives the partial gradient sums of other ranks, but the state "
+            "has none of its own (state.grad_accum is None: saved at an optimizer step)"
+        )
+    own = set(state.grad_accum or {})
+    for rank, sums in enumerate(rank_grad_accum, start=1):
+        if set(sums) != own:
+            raise CheckpointError(
+                f"rank_grad_accum[{rank - 1}] (rank {rank}'s partial gradient sums) names other "
+                f"parameters than state.grad_accum: {sorted(set(sums) ^ own)}"
+            )
+        for k, t in sums.items():
+            tensors[f"{_RANK_GRADS}{rank}/{k}"] = t.detach()
     for k, v in opt_state_dict(state.opt_state).items():
         if isinstance(v, Tensor):
             tensors[f"opt_state/{k}"] = v.detach()
@@ -122,6 +138,10 @@ def _flatten(
     _tree_docs(state, tensors)  # the user's extra and the precision state
     return tensors, scalars
 
+
+# the group of rank r's partial gradient sum (r >= 1; rank 0's is "grad_accum"): a data-parallel
+# run saved inside an accumulation window, where each rank has summed its own micro-batches
+_RANK_GRADS = "grad_accum@"
 
 _TREES = ("extra", "precision")  # TrainState fields stored as JSON trees with tensor references
 
@@ -335,6 +355,7 @@ def save(
     extra: Mapping[str, Any] | None = None,
     fingerprint: bool = False,
     weights_only: bool = False,
+    rank_grad_accum: Sequence[Mapping[str, Tensor]] = (),
 ) -> Path:
     """Write ``state`` to the checkpoint directory ``path`` atomically and durably.
 
@@ -348,6 +369,10 @@ def save(
         weights_only: save the model alone (parameters and buffers, with the counters), as
             Lightning's ``save_weights_only``: a smaller file that ``validate`` / ``test`` /
             ``predict`` and :meth:`TrainState.load_into` can use but a fit cannot resume from.
+        rank_grad_accum: a data-parallel run saved inside an accumulation window: the partial
+            gradient sums of ranks 1, 2, ... (``state.grad_accum`` is rank 0's), each rank's
+            own micro-batches summed before the step's all-reduce. ``load(path, template,
+            rank=r)`` gives rank ``r`` its own, so every rank continues its window bitwise.
 
     Returns:
         The checkpoint's path.
@@ -372,9 +397,19 @@ def save(
     _is_state(state, path, "save")
     state.check_alive("checkpoint.save()")
     _replaceable(Path(path))
-    tensors, scalars = _flatten(state, weights_only)
+    tensors, scalars = _flatten(state, weights_only, rank_grad_accum)
     meta = _describe(state, scalars, metrics, extra, fingerprint, weights_only)
+    meta["grad_accum_ranks"] = _ranks_held(state, weights_only, rank_grad_accum)
     return _write(tensors, meta, Path(path))
+
+
+def _ranks_held(
+    state: TrainState, weights_only: bool, rank_grad_accum: Sequence[Mapping[str, Tensor]]
+) -> int:
+    """How many ranks' partial gradient sums a checkpoint holds (0: none, at a step)."""
+    if weights_only or state.grad_accum is None:
+        return 0
+    return 1 + len(rank_grad_accum)
 
 
 def _write_snapshot(
@@ -426,6 +461,7 @@ def save_async(
     extra: Mapping[str, Any] | None = None,
     fingerprint: bool = False,
     weights_only: bool = False,
+    rank_grad_accum: Sequence[Mapping[str, Tensor]] = (),
 ) -> Future[Path]:
     """Snapshot ``state`` now and write it to ``path`` in the background.
 
@@ -437,7 +473,7 @@ def save_async(
     path, or raises what :func:`save` would have; :func:`wait` waits for all of them.
     ``fingerprint=True`` records ``state.fingerprint()`` in ``meta.json`` as :func:`save` does,
     hashed from the snapshot on the writer thread, so it does not block the caller either;
-    ``weights_only`` is :func:`save`'s.
+    ``weights_only`` and ``rank_grad_accum`` are :func:`save`'s.
 
     Example:
         >>> import tempfile, torch
@@ -451,10 +487,11 @@ def save_async(
     """
     _is_state(state, path, "save_async")
     state.check_alive("checkpoint.save_async()")
-    tensors, scalars = _flatten(state, weights_only)
+    tensors, scalars = _flatten(state, weights_only, rank_grad_accum)
     try:
         _replaceable(Path(path))  # here, so that the caller hears of it at once
         meta = _describe(state, scalars, metrics, extra, False, weights_only)
+        meta["grad_accum_ranks"] = _ranks_held(state, weights_only, rank_grad_accum)
     except CheckpointError as e:
         failed: Future[Path] = Future()
         failed.set_exception(e)
@@ -956,25 +993,32 @@ def _short(checksum: str) -> str:
     return checksum.rpartition(":")[2][:16]
 
 
-def load(path: str | os.PathLike[str], template: TrainState) -> TrainState:
+def load(path: str | os.PathLike[str], template: TrainState, *, rank: int = 0) -> TrainState:
     """Load a checkpoint into a state shaped like ``template`` (same model and optimizer).
 
     The template supplies the structure (the module, the optimizer state's tree); every value
     comes from the checkpoint, verified first. From a ``weights_only`` checkpoint only the
     parameters, buffers and counters come; the optimizer state and ``extra`` are the template's.
 
+    ``rank``: the data-parallel rank the state is for. A checkpoint saved inside an
+    accumulation window by ``r`` ranks holds each rank's partial gradient sum (see
+    :func:`save`'s ``rank_grad_accum``); rank ``rank`` gets its own as ``grad_accum``. Every
+    other value is the same on every rank.
+
     Raises:
         CheckpointError: if a file is missing or fails its checksum, the payload is not plain
             tensors, or the checkpoint does not fit the template (the message lists missing,
-            unexpected and mis-shaped keys).
+            unexpected and mis-shaped keys); or if it was saved inside an accumulation window
+            and holds no partial gradient sum for ``rank``.
     """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"load(rank={rank!r}): pass the rank, an int >= 0")
     root = Path(path)
     meta = read_meta(root)
+    mine = "grad_accum" if rank == 0 else f"{_RANK_GRADS}{rank}"
     device_of = {k: v.device for k, v in {**template.params, **template.buffers}.items()}
     devices = {
-        f"{group}/{k}": d
-        for group in ("params", "buffers", "grad_accum")
-        for k, d in device_of.items()
+        f"{group}/{k}": d for group in ("params", "buffers", mine) for k, d in device_of.items()
     }
     for name in _TREES:  # a tree's tensors go where the template's are (else the CPU)
         shaped: dict[str, Tensor] = {}
@@ -986,8 +1030,12 @@ def load(path: str | os.PathLike[str], template: TrainState) -> TrainState:
     in_trees: dict[str, Tensor] = {}
     for key, t in tensors.items():
         group, _, name = key.partition("/")
-        if group == "opt_state":
+        if group == mine:  # this rank's partial gradient sum
+            groups["grad_accum"][name] = t
+        elif group == "opt_state":
             opt[name] = t
+        elif group.startswith(_RANK_GRADS) or group == "grad_accum":  # another rank's
+            continue
         elif group in groups:
             groups[group][name] = t
         elif group in _TREES:
@@ -1021,6 +1069,14 @@ def load(path: str | os.PathLike[str], template: TrainState) -> TrainState:
         for k, v in template.params.items()
     }
     buffers = {k: groups["buffers"][k].to(device_of[k]) for k in template.buffers}
+    if meta.get("has_grad_accum") and not groups["grad_accum"]:
+        held = meta.get("grad_accum_ranks", 1)
+        raise CheckpointError(
+            f"{root}: saved inside an accumulation window (micro_step {meta['micro_step']}) "
+            f"with the partial gradient sums of {held} rank{'s' * (held != 1)}, none of them "
+            f"rank {rank}'s: a data-parallel rank continues only its own window. Resume on the "
+            "world size it was saved on, or from a checkpoint saved at an optimizer step"
+        )
     grad_accum = (
         {k: groups["grad_accum"][k].to(device_of[k]) for k in template.params}
         if meta.get("has_grad_accum")
@@ -1732,7 +1788,8 @@ class CheckpointIO:
     """
 
     def save(self, state: TrainState, path: str | os.PathLike[str], **kwargs: Any) -> Path:
-        """:func:`save` (``metrics``, ``extra``, ``fingerprint``, ``weights_only``)."""
+        """:func:`save` (``metrics``, ``extra``, ``fingerprint``, ``weights_only``,
+        ``rank_grad_accum``)."""
         return save(state, path, **kwargs)
 
     def save_async(
@@ -1741,9 +1798,9 @@ class CheckpointIO:
         """:func:`save_async`."""
         return save_async(state, path, **kwargs)
 
-    def load(self, path: str | os.PathLike[str], template: TrainState) -> TrainState:
-        """:func:`load`."""
-        return load(path, template)
+    def load(self, path: str | os.PathLike[str], template: TrainState, **kwargs: Any) -> TrainState:
+        """:func:`load` (``rank``: passed by a Trainer only on a data-parallel rank > 0)."""
+        return load(path, template, **kwargs)
 
     def remove(self, path: str | os.PathLike[str]) -> None:
         """:func:`remove`."""

@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 import torch
 
-from engine import checkpoint, loop, optim, transforms
+from engine import _resume, checkpoint, loop, optim, transforms
 from engine._config import FlagViews, missing_attribute, warn_hyperparams_in_dtype
 from engine._profiling import Profiler
 from engine._resume import Checkpointer, RunRecord, SignalCatcher, _is
@@ -614,6 +614,8 @@ class Trainer(FlagViews):
             self.progress_bar_metrics,
             hparams=None if self.task is None else self.task.hparams,
             datamodule=_datamodule_state(self.datamodule),
+            world_size=self.world_size,
+            position_unit=_resume.position_unit(self.train_dataloader),
         )
 
     def _restore(self, ckpt_path: str | os.PathLike[str], template: TrainState) -> None:
@@ -626,6 +628,9 @@ class Trainer(FlagViews):
             return
         if self.stage == "fit" and (path / checkpoint.META).is_file():  # else load says why
             self._check_precision(path)
+            meta = checkpoint.read_meta(path)
+            accumulate = (meta.get("extra", {}).get("config") or {}).get("accumulate_grad_batches")
+            _resume.check_world(path, meta, world_size=self.world_size, accumulate=accumulate)
         self._state = saver.load(path, template, stage=self.stage, asked=ckpt_path)
         if self.stage == "fit" and (path / checkpoint.META).is_file():
             self._check_accumulation(path, self._state)
@@ -638,7 +643,12 @@ class Trainer(FlagViews):
             for name, values in restored.metrics.items():
                 setattr(self, name, values)
             self._version += 1
-            self._progress = restored.progress
+            # the epoch's position in this world size's batches (another's: converted)
+            saved = checkpoint.read_meta(path).get("extra", {}).get("trainer", {})
+            unit = _resume.position_unit(self.train_dataloader)
+            self._state, self._progress = _resume.carry_position(
+                path, self._state, restored.progress, saved, world_size=self.world_size, unit=unit
+            )
         if early is None:
             self._restore_datamodule(path)
         self._emit(Event.ON_LOAD_CHECKPOINT, checkpoint_path=str(path))
@@ -861,6 +871,7 @@ class Trainer(FlagViews):
             [x for x in self.callbacks if zero or not getattr(x, "rank_zero_only", False)]
         )
         self._checkpointer.writes = zero  # rank 0 writes the replicated state's checkpoints
+        self._checkpointer.rank, self._checkpointer.world_size = self.global_rank, self.world_size
         stack = contextlib.ExitStack()
         stack.callback(self._unshard)
         if stage == "fit":
