@@ -240,11 +240,13 @@ def run(stage: str, argv: list[str]) -> int:
 def _run_stage(
     stage: str, trainer: Any, task: Any, state: Any, data: Any, ckpt_path: Any, init: Any
 ) -> int:
+    zero = trainer.is_global_zero  # one report for the run, from rank 0
     if stage == "fit":
         state = trainer.fit(task, state, datamodule=data, ckpt_path=ckpt_path)
-        _report_fit(trainer, state)
+        if zero:
+            _report_fit(trainer, state)
         return 0
-    if ckpt_path is None:
+    if ckpt_path is None and zero:
         print(
             f"warning: engine {stage} without --ckpt_path uses the model's initial weights",
             file=sys.stderr,
@@ -252,11 +254,16 @@ def _run_stage(
     if stage in ("validate", "test"):
         method = trainer.validate if stage == "validate" else trainer.test
         results = method(task, state, datamodule=data, ckpt_path=ckpt_path)
-        if trainer.barebones:  # the Trainer prints nothing then
+        if trainer.barebones and zero:  # the Trainer prints nothing then
             print(results)
         return 0
     outputs = trainer.predict(task, state, datamodule=data, ckpt_path=ckpt_path)
-    _report_predict(outputs or [], init.predictions_path)
+    path = init.predictions_path
+    if path is not None and trainer.world_size > 1:  # each rank predicted its shard
+        stem, dot, suffix = path.rpartition(".")
+        rank = f"rank{trainer.global_rank}"
+        path = f"{stem}.{rank}.{suffix}" if dot else f"{path}.{rank}"
+    _report_predict(outputs or [], path)
     return 0
 
 

@@ -151,6 +151,24 @@ def test_fit_trains_from_a_config_file_and_overrides(project, fitted):
     assert json.loads((run / "config.json").read_text())["max_epochs"] == 2
 
 
+@pytest.mark.slow
+def test_fit_on_two_ranks_reports_once(project, tmp_path):
+    done = engine(
+        "fit",
+        "--config",
+        "cfg.yaml",
+        "--trainer.max_epochs=1",
+        "--trainer.strategy=ddp",
+        "--trainer.devices=2",
+        "--trainer.accelerator=cpu",
+        f"--trainer.default_root_dir={tmp_path}",
+        project=project,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("fit: 1 epochs, 2 optimizer steps") == 1  # 32 samples, 8 a rank
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["epoch=0-step=2"]
+
+
 def test_fit_prints_what_it_did(project, tmp_path):
     done = engine(
         "fit",
