@@ -91,16 +91,8 @@ def _split(accumulate: int, prec):
     return {k: v.detach().clone() for k, v in state.params.items()}, state.step, state.precision
 
 
-def _one_split(rank: int, accumulate: int, precision: str | None, compile: bool):
-    return _train(rank, 1, accumulate, precision, compile, split=True)
-
-
 def _one(rank: int, accumulate: int, precision: str | None, compile: bool):
     return _train(rank, 1, accumulate, precision, compile)
-
-
-def _two(rank: int, accumulate: int, precision: str | None, compile: bool):
-    return _train(rank, 2, accumulate, precision, compile)
 
 
 def _close(a: dict, b: dict, tol: float) -> float:
@@ -109,14 +101,34 @@ def _close(a: dict, b: dict, tol: float) -> float:
     return worst
 
 
-@pytest.mark.parametrize(
-    "accumulate, precision",
-    [(1, None), (2, None), (2, "bf16-mixed"), (2, "16-mixed")],
-)
-def test_two_ranks_train_as_one_process_on_the_whole_batch(accumulate, precision):
-    ((ref, ref_steps, _),) = run_ranks(_one, 1, accumulate, precision, False)
-    r0, r1 = run_ranks(_two, 2, accumulate, precision, False)
-    assert r0[1] == r1[1] == ref_steps == STEPS
+CONFIGS = [(1, None), (2, None), (2, "bf16-mixed"), (2, "16-mixed")]
+
+
+def _all_one(rank: int):
+    """Every configuration in one process: on the whole batch, and on the ranks' micro-batches."""
+    return {
+        c: (_train(rank, 1, *c, False), _train(rank, 1, *c, False, split=True)) for c in CONFIGS
+    }
+
+
+def _all_two(rank: int):
+    return {c: _train(rank, 2, *c, False) for c in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """One launch of each (the processes' start dominates the cost)."""
+    (one,) = run_ranks(_all_one, 1)
+    r0, r1 = run_ranks(_all_two, 2)
+    return one, r0, r1
+
+
+@pytest.mark.parametrize(("accumulate", "precision"), CONFIGS)
+def test_two_ranks_train_as_one_process_on_the_whole_batch(runs, accumulate, precision):
+    one, two0, two1 = runs
+    (ref, ref_steps, _), (split, split_steps, split_prec) = one[accumulate, precision]
+    r0, r1 = two0[accumulate, precision], two1[accumulate, precision]
+    assert r0[1] == r1[1] == ref_steps == split_steps == STEPS
     # the ranks hold the same bits: the same averaged gradients, the same updates
     for k in r0[0]:
         assert torch.equal(r0[0][k], r1[0][k]), k
@@ -127,15 +139,12 @@ def test_two_ranks_train_as_one_process_on_the_whole_batch(accumulate, precision
         # inside the matmul: a batch of 2B is rounded once where two ranks' batches of B are
         # rounded apiece, so the whole batch is only the same to half precision's rounding...
         _close(r0[0], ref, 2e-2)
-        # ... and the same arithmetic (one process accumulating the ranks' micro-batches,
-        # averaged in float32) is the same to float32's
-        ((split, split_steps, split_prec),) = run_ranks(_one_split, 1, accumulate, precision, False)
-        assert split_steps == STEPS
-        _close(r0[0], split, 1e-6)
-        if precision == "16-mixed":
-            assert all(torch.equal(r0[2][k], split_prec[k]) for k in r0[2])
+    # ... and the same arithmetic (one process accumulating the ranks' micro-batches, averaged
+    # in float32) is the same to float32's, in every precision
+    _close(r0[0], split, 1e-6)
     if precision == "16-mixed":  # every rank skipped the same steps: the same loss scale
         assert all(torch.equal(r0[2][k], r1[2][k]) for k in r0[2])
+        assert all(torch.equal(r0[2][k], split_prec[k]) for k in r0[2])
 
 
 def _skipping(rank: int):
