@@ -44,7 +44,7 @@ import attrs
 
 from engine import checkpoint
 from engine._pickling import Rebuild, load_skeleton, loads_code
-from engine.events import EventRecord, Listener, Transition
+from engine.events import EventRecord, Listener, Stop, Transition
 from engine.listeners.journal import CONFIG, DATA, JOURNAL, MODEL, TASK, Journal, JournalError
 from engine.state import TrainState
 
@@ -67,6 +67,8 @@ _REPLAYED_FLAGS = (
     "inference_mode",
     "reload_dataloaders_every_n_epochs",
     "compile",
+    "sync_batchnorm",
+    "use_distributed_sampler",
 )
 
 
@@ -472,6 +474,49 @@ class _Checker(Listener):
             raise _Diverged(divergence, after=None)
 
 
+class _RankZeroChecker(_Checker):
+    """The checker of a data-parallel replay, on rank 0 alone (the journal is rank 0's: its
+    losses, fingerprints and checkpoints). A difference found does not end the fit by raising,
+    which would leave the other ranks waiting in the step's collective: it is kept, and a
+    :class:`~engine.events.Stop` returned at the next event the loop agrees stops after
+    (a batch's end, an epoch's start or end), so every rank stops after the same batch."""
+
+    rank_zero_only = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failure: BaseException | None = None
+
+    def _guarded(self, method: Any, rec: EventRecord) -> None:
+        if self.failure is None:
+            try:
+                method(self, rec)
+            except (_Diverged, _WrongStart, ReplayError) as e:
+                self.failure = e
+
+    def _stop(self, method: Any, rec: EventRecord) -> Stop | None:
+        self._guarded(method, rec)
+        return None if self.failure is None else Stop("replay: differs from the journal")
+
+    def on_train_start(self, rec: EventRecord) -> None:
+        self._guarded(_Checker.on_train_start, rec)  # its stop: at the first agreed event
+
+    def on_train_batch_start(self, rec: EventRecord) -> None:
+        self._guarded(_Checker.on_train_batch_start, rec)  # its stop: at the batch's end
+
+    def on_train_batch_end(self, rec: EventRecord) -> Stop | None:  # type: ignore[override]
+        return self._stop(_Checker.on_train_batch_end, rec)
+
+    def on_train_epoch_start(self, rec: EventRecord) -> Stop | None:  # type: ignore[override]
+        return self._stop(_Checker.on_train_epoch_start, rec)
+
+    def on_train_epoch_end(self, rec: EventRecord) -> Stop | None:  # type: ignore[override]
+        return self._stop(_Checker.on_train_epoch_end, rec)
+
+    def on_train_end(self, rec: EventRecord) -> None:
+        self._guarded(_Checker.on_train_end, rec)  # nothing to stop: the loop has ended
+
+
 def _fingerprint(state: TrainState, journaled: Any) -> str:
     """The state's fingerprint in the algorithm of a journaled one (64 hex digits: SHA-256, as
     engine wrote before checkpoint format 3)."""
@@ -762,8 +807,35 @@ def replay(
         )
     if not trust_code:
         raise _untrusted(root)
+    given = data
     task, model, data, flags = _load_run(root, data)
+    world = flags["devices"] if flags.get("strategy") == "ddp" else 1
+    if world > 1 and detect_anomaly:
+        raise ReplayError(
+            f"{root}: the run had {world} data-parallel ranks; replay re-executes it on "
+            f"{world} ranks, where an anomaly raised on one rank would leave the others waiting "
+            "in the step's collective: detect_anomaly=True is not available for it. Replay "
+            "without it to find the first step that differs or is not finite"
+        )
     for ckpt, start_line in itertools.chain([first], found):
+        if world > 1:  # the run's ranks again, each process started here
+            index = next(i for i, x in enumerate(journal.lines) if x is start_line)
+            got = _launch_ranks(world, root, ckpt, index, from_step, to_step, given)
+            if "wrong_start" in got:
+                where = (
+                    f"journaled at step {start_line['step']} (line {journal.number(start_line)})"
+                )
+                passed.append(f"{ckpt}, {where}: {got['wrong_start']}")
+                warnings.warn(_overwritten(ckpt, where, got["wrong_start"]), stacklevel=2)
+                continue
+            return ReplayReport(
+                run_dir=str(root),
+                checkpoint=str(ckpt),
+                start_step=int(start_line["step"]),
+                from_step=from_step,
+                to_step=to_step,
+                **got,
+            )
         transitions = _Transitions(root, journal, start_line)
         kept = [x for x in journal.lines if id(x) not in transitions.deferred]
         checker = _Checker(journal, kept, start_line, to_step, (from_step, to_step))
@@ -792,6 +864,60 @@ def replay(
             **outcome,
         )
     raise _no_start(root, from_step, passed)
+
+
+def _launch_ranks(
+    world: int,
+    root: Path,
+    ckpt: Path,
+    start_index: int,
+    from_step: int,
+    to_step: int,
+    data: Any,
+) -> dict[str, Any]:
+    """Replay from ``ckpt`` (the checkpoint of journal line ``start_index``) on ``world`` new
+    processes, ranks of one gloo process group (:class:`~engine.parallel.launch.SpawnLauncher`),
+    each of which loads the run from ``root`` itself; rank 0's findings, as the report's
+    fields (or ``{"wrong_start": why}``)."""
+    from engine.parallel.launch import SpawnLauncher
+
+    launcher = SpawnLauncher(world, start_method="spawn")
+    got = launcher.launch(_replay_rank, str(root), str(ckpt), start_index, from_step, to_step, data)
+    assert isinstance(got, dict)
+    return got
+
+
+def _replay_rank(
+    root_dir: str, ckpt: str, start_index: int, from_step: int, to_step: int, data: Any
+) -> dict[str, Any] | None:
+    """One rank of a data-parallel replay (see :func:`_launch_ranks`): the run loaded from its
+    directory (the caller was told to trust its code), the fit resumed from ``ckpt`` on every
+    rank, checked against the journal on rank 0 (:class:`_RankZeroChecker`); rank 0 returns
+    what it found, the others ``None``."""
+    root = Path(root_dir)
+    journal = _Lines(root)
+    start_line = journal.lines[start_index]
+    task, model, data, flags = _load_run(root, data)
+    transitions = _Transitions(root, journal, start_line)
+    kept = [x for x in journal.lines if id(x) not in transitions.deferred]
+    checker = _RankZeroChecker(journal, kept, start_line, to_step, (from_step, to_step))
+    checker.transitions = transitions
+    template = load_skeleton(model, task.tx)
+    listeners = [checker, transitions]
+    try:
+        outcome = _run_checked(task, template, data, Path(ckpt), flags, listeners, to_step, False)
+    except _WrongStart as e:
+        return {"wrong_start": str(e)}
+    if int(os.environ.get("RANK", "0")):
+        return None
+    return {
+        "steps": checker.steps,
+        "compared": checker.compared,
+        "first_nonfinite_step": checker.first_nonfinite,
+        "first_nonfinite_loss": checker.first_nonfinite_loss,
+        "losses": dict(checker.losses),
+        **outcome,
+    }
 
 
 def _no_start(root: Path, from_step: int, passed: list[str]) -> ReplayError:
@@ -876,6 +1002,17 @@ def _flags(config: dict[str, Any]) -> dict[str, Any]:
         kind, _, index = device.partition(":")
         flags["accelerator"] = kind
         flags["devices"] = [int(index)] if index else 1
+    world = config.get("world_size", 1)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ReplayError(f"config.json: world_size={world!r} is not a number of ranks (>= 1)")
+    if world > 1:  # as many ranks again, here: gloo processes on this machine's CPU
+        if flags.get("accelerator", "cpu") != "cpu":
+            raise ReplayError(
+                f"the run had {world} data-parallel ranks on {device}; replay re-executes a "
+                "data-parallel run on CPU processes only (gloo), whose arithmetic is not that "
+                "of the accelerator's collectives: replay a CPU run, or a one-device run"
+            )
+        flags.update(accelerator="cpu", strategy="ddp", devices=world, num_nodes=1)
     return flags
 
 
@@ -1033,12 +1170,17 @@ def _run_checked(
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 trainer.fit(task, template, data, ckpt_path=str(ckpt))
+            failure = getattr(checker, "failure", None)  # a data-parallel replay's, kept
+            if failure is not None:
+                raise failure
         except _Diverged as e:
             outcome["divergence"] = e.divergence
             outcome["diverged_after"] = e.after
             outcome["losses_matched"] = e.losses_matched
             if e.after is not None and e.after == e.divergence.step - 1:
                 outcome["first_divergent_step"] = e.divergence.step
+        except (_WrongStart, ReplayError):
+            raise
         except RuntimeError as e:
             if not checker.in_span():
                 raise

@@ -309,3 +309,48 @@ def test_position_unit_is_what_a_rank_batch_advances_the_global_position_by():
     assert _resume.position_unit(DataLoader(range(10), batch_sampler=custom)) == 1
     assert _resume.position_unit([1, 2, 3]) is None
     assert _resume.position_unit(DataLoader(range(10), batch_size=None)) is None
+
+
+# ---------------------------------------------------------------- replay of a DDP run
+
+
+@pytest.mark.slow
+def test_replay_reexecutes_a_ddp_run_on_its_world_size(two_rank_run, tmp_path):
+    run_dir = two_rank_run / "lightning_logs" / "version_0"
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["world_size"] == 2 and config["strategy"] == "ddp" and config["devices"] == 2
+    report = eg.replay(run_dir, trust_code=True)
+    assert report.identical, str(report)
+    assert report.steps == 10 and report.compared >= 10  # every step's loss, fingerprints
+    # from a checkpoint mid-run: the newest before step 7 (every step was saved)
+    later = eg.replay(run_dir, from_step=7, to_step=9, trust_code=True)
+    assert later.identical and later.start_step == 6 and later.steps == 3, str(later)
+
+    # a journal whose loss of step 4 is not what the ranks compute: named, step 4 exactly
+    edited = tmp_path / "edited"
+    import shutil
+
+    shutil.copytree(run_dir, edited)
+    lines = (edited / "journal.jsonl").read_text().splitlines()
+    out = []
+    for text in lines:
+        line = json.loads(text)
+        if "losses" in line and line["step"] - len(line["losses"]) < 4 <= line["step"]:
+            line["losses"][4 - line["step"] - 1] += 1e-3
+            if line["step"] == 4:
+                line["loss"] = line["losses"][-1]
+        out.append(json.dumps(line))
+    (edited / "journal.jsonl").write_text("\n".join(out) + "\n")
+    diverged = eg.replay(edited, from_step=1, to_step=6, trust_code=True)
+    assert not diverged.identical
+    assert diverged.first_divergent_step == 4, str(diverged)
+    assert set(diverged.divergence.values) == {"loss"}
+
+
+def test_replay_refuses_anomaly_detection_and_accelerators_for_a_ddp_run(tmp_path):
+    from engine._replay import ReplayError, _flags
+
+    with pytest.raises(ReplayError, match="CPU processes only"):
+        _flags({"device": "cuda:0", "world_size": 2})
+    assert _flags({"device": "cpu", "world_size": 2})["devices"] == 2
+    assert "strategy" not in _flags({"device": "cpu", "world_size": 1})

@@ -12,7 +12,9 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
   ``"end": true``, with the fit's final step, the losses since the previous line and the final
   fingerprint. Each line is written whole (one write; a failed one is cut back and raises
   :class:`JournalWriteError`), and a reader leaves out a last line cut short by a killed fit;
-* ``config.json``: the Trainer's resolved flags (``trainer.config.to_json()``);
+* ``config.json``: the Trainer's resolved flags (``trainer.config.to_json()``) and
+  ``world_size``, the number of data-parallel ranks the run had (rank 0 alone writes the
+  run directory: its losses, fingerprints and checkpoints are rank 0's);
 * ``task.pkl``, ``model.pkl``, ``data.pkl``: the task's functions, the model's structure (its
   tensors as shapes only) and the training data source, pickled with cloudpickle so the run can be
   re-executed without its script. Loading them runs code, so replay asks for explicit trust;
@@ -165,7 +167,10 @@ class Journal(Listener):
         # the state transitions recorded in this run directory (a resumed fit appends)
         self._transitions = len(list(root.glob("transition-*.pkl")))
         if run.config is not None:
-            text = json.dumps(run.config.to_json(), indent=2, sort_keys=True)
+            # the flags, and the world size they resolved to (devices x num_nodes, or what a
+            # launcher such as torchrun set): a replay runs that many ranks again
+            flags = {**run.config.to_json(), "world_size": run.world_size}
+            text = json.dumps(flags, indent=2, sort_keys=True)
             _write_file(root / CONFIG, text.encode())
         self._file = _open_whole(root / JOURNAL)
         self._size = os.fstat(self._file.fileno()).st_size
