@@ -319,6 +319,10 @@ def test_replay_reexecutes_a_ddp_run_on_its_world_size(two_rank_run, tmp_path):
     run_dir = two_rank_run / "lightning_logs" / "version_0"
     config = json.loads((run_dir / "config.json").read_text())
     assert config["world_size"] == 2 and config["strategy"] == "ddp" and config["devices"] == 2
+    from engine._replay import ReplayError
+
+    with pytest.raises(ReplayError, match="detect_anomaly=True is not available"):
+        eg.replay(run_dir, trust_code=True, detect_anomaly=True)
     report = eg.replay(run_dir, trust_code=True)
     assert report.identical, str(report)
     assert report.steps == 10 and report.compared >= 10  # every step's loss, fingerprints
@@ -347,7 +351,7 @@ def test_replay_reexecutes_a_ddp_run_on_its_world_size(two_rank_run, tmp_path):
     assert set(diverged.divergence.values) == {"loss"}
 
 
-def test_replay_refuses_anomaly_detection_and_accelerators_for_a_ddp_run(tmp_path):
+def test_replay_runs_a_ddp_journal_on_cpu_ranks_only():
     from engine._replay import ReplayError, _flags
 
     with pytest.raises(ReplayError, match="CPU processes only"):
