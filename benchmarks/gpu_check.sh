@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The prepared GPU check: the environment, the GPU-marked tests, then benchmarks.gpu; one JSON
-# file with keys env, tests, bench (written and printed whatever fails).
+# The prepared GPU check: the environment, the GPU-marked tests, benchmarks.gpu, then (with 2
+# GPUs or more) the 2-GPU data-parallel check benchmarks.gpu_ddp; one JSON file with keys env,
+# tests, bench, ddp (written and printed whatever fails).
 #
 #   bash benchmarks/gpu_check.sh [OUT.json]        # default: gpu_check.json
 #
@@ -11,6 +12,10 @@
 # the tests (at most TESTS_TIMEOUT, 240 s, less if the set-up was slow) and the benchmark (at
 # most BENCH_TIMEOUT, 180 s) fit in TOTAL_S (450 s). GPU_BENCH_ARGS adds arguments to
 # benchmarks.gpu (a smoke run without a GPU: GPU_BENCH_ARGS="--device cpu --quick").
+# The data-parallel check runs under `torchrun --standalone --nproc-per-node 2` (NCCL) when
+# torch sees 2 GPUs or more, in at most DDP_TIMEOUT (90 s) beyond TOTAL_S, and is skipped with
+# a message otherwise; GPU_DDP_ARGS adds arguments and runs it whatever the GPUs (a gloo smoke
+# run: GPU_DDP_ARGS="--device cpu --quick").
 set -u
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -20,6 +25,7 @@ case $OUT in /*) ;; *) OUT=$ROOT/$OUT ;; esac
 TOTAL_S=${TOTAL_S:-450}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
+DDP_TIMEOUT=${DDP_TIMEOUT:-90}
 WORK=$(mktemp -d)
 NOTES=()
 START=$SECONDS
@@ -110,13 +116,30 @@ say "benchmarks.gpu (timeout ${BENCH_TIMEOUT}s)"
 BENCH_RC=${PIPESTATUS[0]}
 say "benchmark: rc $BENCH_RC"
 
+# ------------------------------------------------------------------ the 2-GPU data-parallel check
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -1)
+DDP=(--ddp-json "$WORK/ddp.json" --ddp-log "$WORK/ddp.log")
+if [ "${NGPU:-0}" -ge 2 ] 2>/dev/null || [ -n "${GPU_DDP_ARGS:-}" ]; then
+    say "benchmarks.gpu_ddp on 2 ranks (${NGPU} GPUs; timeout ${DDP_TIMEOUT}s)"
+    { timeout -k 10 "$DDP_TIMEOUT" "$PY" -m torch.distributed.run --standalone \
+        --nproc-per-node 2 -m benchmarks.gpu_ddp --json "$WORK/ddp.json" ${GPU_DDP_ARGS:-} \
+        2>&1 >"$WORK/ddp.out"; } | tee "$WORK/ddp.log" >&2
+    DDP_RC=${PIPESTATUS[0]}
+    DDP+=(--ddp-rc "$DDP_RC")
+    say "data-parallel check: rc $DDP_RC"
+else
+    SKIP="2-GPU data-parallel check skipped: torch sees ${NGPU:-0} GPU(s), it needs 2"
+    say "$SKIP"
+    DDP+=(--ddp-skipped "$SKIP")
+fi
+
 # ------------------------------------------------------------------ the report
 REPORT_PY=$PY
 "$PY" -c '' 2>/dev/null || REPORT_PY=${HOST:-python3}
 "$REPORT_PY" benchmarks/gpu_report.py --out "$OUT" \
     --tests-log "$WORK/tests.log" --tests-rc "$TESTS_RC" \
     --bench-json "$WORK/bench.json" --bench-log "$WORK/bench.log" --bench-rc "$BENCH_RC" \
-    ${NOTES[@]+"${NOTES[@]}"}
+    "${DDP[@]}" ${NOTES[@]+"${NOTES[@]}"}
 RC=$?
 say "wrote $OUT (rc $RC, $((SECONDS - START)) s in all)"
 rm -rf "$WORK"

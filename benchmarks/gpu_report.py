@@ -1,9 +1,11 @@
-"""Assembles ``benchmarks/gpu_check.sh``'s one JSON file: ``env``, ``tests``, ``bench``.
+"""Assembles ``benchmarks/gpu_check.sh``'s one JSON file: ``env``, ``tests``, ``bench`` and,
+when the script ran or skipped the 2-GPU data-parallel check, ``ddp``.
 
 Standard library only, so that it writes a report even where torch or engine fail to import::
 
     python benchmarks/gpu_report.py --out gpu_check.json --tests-log LOG --tests-rc RC \\
-        --bench-json BENCH --bench-log LOG --bench-rc RC [--note TEXT]...
+        --bench-json BENCH --bench-log LOG --bench-rc RC \\
+        [--ddp-json DDP --ddp-log LOG --ddp-rc RC | --ddp-skipped WHY] [--note TEXT]...
 """
 
 from __future__ import annotations
@@ -97,6 +99,20 @@ def _timed_out(rc: int) -> bool:
     return rc in (124, 137)
 
 
+def _run_section(rc: int, json_path: str | None, log_path: str | None) -> dict[str, Any]:
+    """A stage that wrote JSON: its return code, the JSON (or why there is none), and the tail
+    of its log when it failed."""
+    section: dict[str, Any] = {"rc": rc, "timed_out": _timed_out(rc)}
+    text = _read(json_path)
+    try:
+        section.update(json.loads(text) if text else {"error": "no JSON was written"})
+    except json.JSONDecodeError as e:
+        section["error"] = f"unreadable JSON: {e}"
+    if rc != 0:
+        section["tail"] = _read(log_path)[-TAIL:]
+    return section
+
+
 def report(args: argparse.Namespace) -> dict[str, Any]:
     log = _read(args.tests_log)
     tests: dict[str, Any] = {"rc": args.tests_rc, "timed_out": _timed_out(args.tests_rc)}
@@ -104,15 +120,13 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     if args.tests_rc == 5:
         tests["note"] = "pytest selected no test (rc 5): nothing is marked gpu"
     tests["tail"] = log[-TAIL:]
-    bench: dict[str, Any] = {"rc": args.bench_rc, "timed_out": _timed_out(args.bench_rc)}
-    text = _read(args.bench_json)
-    try:
-        bench.update(json.loads(text) if text else {"error": "no JSON was written"})
-    except json.JSONDecodeError as e:
-        bench["error"] = f"unreadable JSON: {e}"
-    if args.bench_rc != 0:
-        bench["tail"] = _read(args.bench_log)[-TAIL:]
-    return {"env": environment(), "notes": args.note, "tests": tests, "bench": bench}
+    bench = _run_section(args.bench_rc, args.bench_json, args.bench_log)
+    out = {"env": environment(), "notes": args.note, "tests": tests, "bench": bench}
+    if args.ddp_skipped is not None:
+        out["ddp"] = {"skipped": args.ddp_skipped}
+    elif args.ddp_rc is not None:
+        out["ddp"] = _run_section(args.ddp_rc, args.ddp_json, args.ddp_log)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bench-json")
     p.add_argument("--bench-log")
     p.add_argument("--bench-rc", type=int, default=-1)
+    p.add_argument("--ddp-json")
+    p.add_argument("--ddp-log")
+    p.add_argument("--ddp-rc", type=int)
+    p.add_argument("--ddp-skipped", help="why the data-parallel check did not run")
     p.add_argument("--note", action="append", default=[])
     args = p.parse_args(argv)
     text = json.dumps(report(args), indent=2)
