@@ -726,6 +726,14 @@ def carry_position(
     k = state.batch_idx
     if was == world_size or k == 0:
         return state, progress
+    if saved.get("data_state") is not None:
+        raise checkpoint.CheckpointError(
+            f"fit(ckpt_path={str(path)!r}): the checkpoint was saved {k} batches into epoch "
+            f"{state.epoch} on world size {was}, with the position of a stateful loader (its "
+            f"state_dict(), rank 0's), and this run has world size {world_size}: a loader's "
+            "own state cannot be dealt to other ranks. Resume on world size "
+            f"{was}, or from a checkpoint saved at an epoch's end"
+        )
     was_unit = saved.get("position_unit", unit)
     if was_unit is None or unit is None:
         raise checkpoint.CheckpointError(

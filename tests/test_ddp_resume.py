@@ -290,6 +290,15 @@ def test_carry_position_converts_the_rank_local_batch_index():
             world_size=4,
             unit=8,
         )
+    with pytest.raises(checkpoint.CheckpointError, match="stateful loader"):
+        _resume.carry_position(
+            Path("c"),
+            state,
+            progress,
+            {"world_size": 2, "position_unit": 8, "data_state": {"batches": 6}},
+            world_size=1,
+            unit=8,
+        )
     with pytest.raises(checkpoint.CheckpointError, match="cannot be carried over"):
         _resume.carry_position(
             Path("c"),
