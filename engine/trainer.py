@@ -623,7 +623,9 @@ class Trainer(FlagViews):
         and, for a fit, the loop's position and the metrics."""
         saver = self._checkpointer
         early, self._resolved = self._resolved, None
-        path = early[1] if early is not None and early[0] is ckpt_path else saver.resolve(ckpt_path)
+        path = (
+            early[1] if early is not None and early[0] is ckpt_path else self._resolve(ckpt_path)
+        )
         if path is None:
             return
         if self.stage == "fit" and (path / checkpoint.META).is_file():  # else load says why
@@ -689,13 +691,30 @@ class Trainer(FlagViews):
             "optimizer step (a window boundary), where the value may change"
         )
 
+    def _resolve(self, ckpt_path: str | os.PathLike[str]) -> Path | None:
+        """The checkpoint ``ckpt_path`` names, rank 0's on every rank: ``"best"`` / ``"last"``
+        are resolved by rank 0's listeners, whose ranking is the one its files follow, and an
+        error resolving it is raised on every rank."""
+        if self.world_size == 1:
+            return self._checkpointer.resolve(ckpt_path)
+        found: tuple[Path | None, BaseException | None] = (None, None)
+        if self.is_global_zero:
+            try:
+                found = (self._checkpointer.resolve(ckpt_path), None)
+            except (checkpoint.CheckpointError, ValueError, OSError) as e:
+                found = (None, e)
+        path, error = self._strategy.broadcast(found)
+        if error is not None:
+            raise error
+        return path
+
     def _datamodule_first(self, ckpt_path: Any, datamodule: Any) -> None:
         """Lightning restores a datamodule's state before asking it for loaders: resolve the
         checkpoint now (once; the run's restore uses it) and give the datamodule its state."""
         self._resolved = None
         if ckpt_path is None or datamodule is None:
             return
-        path = self._checkpointer.resolve(ckpt_path)
+        path = self._resolve(ckpt_path)
         self._resolved = (ckpt_path, path)
         if path is not None:
             self._restore_datamodule(path, datamodule)

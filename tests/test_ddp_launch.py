@@ -53,16 +53,23 @@ SCRIPT = textwrap.dedent(
         loader = DataLoader(ds, batch_size=args["batch"], shuffle=True)
         model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
                                     torch.nn.Linear(16, 3))
-        options = {"first": LogOptions(on_step=False, on_epoch=True, sync_dist=args["sync"])}
-        task = eg.Task(loss_fn, optim.adamw(1e-2), log_options=options)
-        callbacks = [Raise(*args["raise"])] if args.get("raise") else None
+        options = {"first": LogOptions(on_step=True, on_epoch=True, sync_dist=args["sync"])}
+        task = eg.Task(loss_fn, optim.adamw(1e-2), log_options=options,
+                       eval_fn=lambda m, b: {"loss": F.mse_loss(m(b[0]), b[1])})
+        callbacks = [Raise(*args["raise"])] if args.get("raise") else []
+        if args.get("best"):  # ranked by a rank-local value: each rank would pick its own
+            callbacks.append(eg.listeners.ModelCheckpoint(
+                monitor="train/first_step", mode="min", save_top_k=1, every_n_train_steps=1))
         trainer = eg.Trainer(
             accelerator="cpu", strategy=args["strategy"], devices=args["devices"],
             num_nodes=args.get("num_nodes", 1), max_epochs=1, default_root_dir=args["root"],
-            enable_progress_bar=False, logger=False, enable_checkpointing=False,
-            callbacks=callbacks,
+            enable_progress_bar=False, logger=False, enable_checkpointing=bool(args.get("best")),
+            callbacks=callbacks or None, log_every_n_steps=1,
         )
         out = trainer.fit(task, task.init(model, seed=0), loader)
+        if args.get("best"):
+            trainer.validate(task, out, loader, ckpt_path="best", verbose=False)
+            print("rank", trainer.global_rank, "validated", trainer.ckpt_path, flush=True)
         rank = trainer.global_rank
         torch.save(
             {"params": {k: v.detach().clone() for k, v in out.params.items()},
@@ -191,10 +198,23 @@ def test_sync_dist_reduces_an_epoch_value_over_the_ranks(tmp_path):
             tmp_path, {"strategy": "ddp", "devices": 2, "batch": 8, "root": str(root), "sync": True}
         )
     )
-    synced = [f["metrics"]["train/first"] for f in _finals(root)]
+    synced = [f["metrics"]["train/first_epoch"] for f in _finals(root)]
     assert synced[0] == synced[1]  # every rank holds the reduced value
-    assert abs(synced[0] - one["metrics"]["train/first"]) < 1e-6
+    assert abs(synced[0] - one["metrics"]["train/first_epoch"]) < 1e-6
     root = tmp_path / "local"
     _ok(_run(tmp_path, {"strategy": "ddp", "devices": 2, "batch": 8, "root": str(root)}))
-    local = [f["metrics"]["train/first"] for f in _finals(root)]
+    local = [f["metrics"]["train/first_epoch"] for f in _finals(root)]
     assert local[0] != local[1]  # each rank's own shard, as Lightning without sync_dist
+
+
+def test_ckpt_path_best_is_rank_zeros_checkpoint_on_every_rank(tmp_path):
+    root = tmp_path / "best"
+    proc = _run(
+        tmp_path, {"strategy": "ddp", "devices": 2, "batch": 8, "root": str(root), "best": True}
+    )
+    _ok(proc)
+    loaded = sorted(
+        line.split(" validated ")[1] for line in proc.stdout.splitlines() if " validated " in line
+    )
+    assert len(loaded) == 2 and loaded[0] == loaded[1], loaded
+    assert [p.name for p in (root / "checkpoints").iterdir()] == [Path(loaded[0]).name]
