@@ -199,6 +199,11 @@ def main(argv: list[str] | None = None) -> None:
     results["precision"] = precision_bench.run(
         rounds=3 if args.quick else 9, batches=10 if args.quick else precision_bench.BATCHES
     )
+    # 2 gloo ranks against 1, the all-reduce's cost, overlap (see benchmarks/ddp.py)
+    from benchmarks import ddp as ddp_bench  # imports this module: import late
+
+    quick = dict(steps=3, reps=3) if args.quick else {}
+    results["ddp"] = ddp_bench.run(rounds=5 if args.quick else 15, **quick)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
