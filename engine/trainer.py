@@ -623,9 +623,7 @@ class Trainer(FlagViews):
         and, for a fit, the loop's position and the metrics."""
         saver = self._checkpointer
         early, self._resolved = self._resolved, None
-        path = (
-            early[1] if early is not None and early[0] is ckpt_path else self._resolve(ckpt_path)
-        )
+        path = early[1] if early is not None and early[0] is ckpt_path else self._resolve(ckpt_path)
         if path is None:
             return
         if self.stage == "fit" and (path / checkpoint.META).is_file():  # else load says why
