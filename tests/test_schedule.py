@@ -365,9 +365,11 @@ def test_a_checkpoint_records_the_resolved_config_and_no_run_state(tmp_path):
     assert not run_state & set(saved)
     assert saved["max_epochs"] == -1 and saved["max_time"] == 3600.0
     assert saved["num_sanity_val_steps"] == INF and saved["torch_version"] == torch.__version__
-    # the run directory's config.json is the same record
+    # the run directory's config.json is the same record, with the run's world size (replay
+    # runs that many ranks)
     assert trainer.run_dir is not None
-    assert json.loads((Path(trainer.run_dir) / "config.json").read_text()) == saved
+    record = json.loads((Path(trainer.run_dir) / "config.json").read_text())
+    assert record == {**saved, "world_size": 1}
 
 
 def test_the_config_is_frozen_and_the_trainers_flags_read_it():

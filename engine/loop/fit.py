@@ -199,7 +199,10 @@ def fit(
                     batch=batch,
                     batch_idx=batch_idx,
                 )
-                progress = run.agree(state, progress)  # a stop asked for now may validate
+                if validate_this_epoch and _stop_decides(
+                    config, state, progress, batch_idx, is_last
+                ):
+                    progress = run.agree(state, progress)  # a stop asked for now validates
                 if validate_this_epoch and _validates_after(
                     config, state, progress, batch_idx, is_last
                 ):
@@ -303,6 +306,18 @@ def _validates_after(
         should_stop=progress.should_stop,
         epoch=state.epoch,
         global_step=state.step,
+    )
+
+
+def _stop_decides(
+    config: LoopConfig, state: TrainState, progress: Progress, batch_idx: int, is_last: bool
+) -> bool:
+    """Whether a stop asked for in this batch changes whether it validates (so the ranks agree
+    on the stop first): a question of the schedule alone, the same on every rank."""
+    stop = progress._replace(should_stop=True)
+    go = progress._replace(should_stop=False)
+    return _validates_after(config, state, stop, batch_idx, is_last) != _validates_after(
+        config, state, go, batch_idx, is_last
     )
 
 
