@@ -23,32 +23,17 @@ from typing import Any, Protocol
 from engine.data import batch_size, lookahead
 from engine.events import Event
 from engine.loop.progress import Phase, Progress
+from engine.loop.services import LoopServices
 from engine.metrics import metric_name
 from engine.state import TrainState
 
 __all__ = ["EvalServices", "evaluate", "predict", "sanity_check"]
 
 
-class EvalServices(Protocol):
+class EvalServices(LoopServices, Protocol):
     """What the evaluation loops ask of the Trainer. Each call hands over the loop's current
     values (the Trainer keeps them as its record of the run, for the listeners' view) and
     returns the ones the loop continues with."""
-
-    def emit(
-        self, event: Event, state: TrainState, progress: Progress, **fields: Any
-    ) -> tuple[TrainState, Progress]:
-        """``event`` between batches, with the listeners' requests carried out."""
-        ...
-
-    def emit_batch(
-        self, event: Event, state: TrainState, progress: Progress, **fields: Any
-    ) -> tuple[TrainState, Progress]:
-        """A batch event (the hot path)."""
-        ...
-
-    def move(self, batch: Any) -> Any:
-        """The batch on the step's device, as the listeners see it too."""
-        ...
 
     def step(self, state: TrainState, batch: Any) -> Any:
         """The evaluation (or prediction) step on one batch: its metrics (or outputs)."""

@@ -32,31 +32,16 @@ from engine.events import Event
 from engine.loop import schedule
 from engine.loop.config import LoopConfig
 from engine.loop.progress import Phase, Progress
+from engine.loop.services import LoopServices
 from engine.state import TrainState
 
 __all__ = ["FitServices", "fit"]
 
 
-class FitServices(Protocol):
+class FitServices(LoopServices, Protocol):
     """What the fit loop asks of the Trainer. Each call hands over the loop's current values
     (the Trainer keeps them as its record of the run, for the listeners' view,
     ``trainer.state`` and checkpoints) and returns the ones the loop continues with."""
-
-    def emit(
-        self, event: Event, state: TrainState, progress: Progress, **fields: Any
-    ) -> tuple[TrainState, Progress]:
-        """``event`` between batches, with the listeners' requests carried out."""
-        ...
-
-    def emit_batch(
-        self, event: Event, state: TrainState, progress: Progress, **fields: Any
-    ) -> tuple[TrainState, Progress]:
-        """A batch event (the hot path)."""
-        ...
-
-    def move(self, batch: Any) -> Any:
-        """The batch on the step's device, as the listeners see it too."""
-        ...
 
     def step(
         self, state: TrainState, progress: Progress, batch: Any, *, flush: bool
