@@ -822,11 +822,7 @@ def replay(
             index = next(i for i, x in enumerate(journal.lines) if x is start_line)
             got = _launch_ranks(world, root, ckpt, index, from_step, to_step, given)
             if "wrong_start" in got:
-                where = (
-                    f"journaled at step {start_line['step']} (line {journal.number(start_line)})"
-                )
-                passed.append(f"{ckpt}, {where}: {got['wrong_start']}")
-                warnings.warn(_overwritten(ckpt, where, got["wrong_start"]), stacklevel=2)
+                _pass_over(passed, ckpt, journal, start_line, got["wrong_start"])
                 continue
             return ReplayReport(
                 run_dir=str(root),
@@ -846,9 +842,7 @@ def replay(
                 task, template, data, ckpt, flags, [checker, transitions], to_step, detect_anomaly
             )
         except _WrongStart as e:
-            where = f"journaled at step {start_line['step']} (line {journal.number(start_line)})"
-            passed.append(f"{ckpt}, {where}: {e}")
-            warnings.warn(_overwritten(ckpt, where, str(e)), stacklevel=2)
+            _pass_over(passed, ckpt, journal, start_line, str(e))
             continue
         return ReplayReport(
             run_dir=str(root),
@@ -864,6 +858,14 @@ def replay(
             **outcome,
         )
     raise _no_start(root, from_step, passed)
+
+
+def _pass_over(passed: list[str], ckpt: Path, journal: Any, start_line: Any, why: str) -> None:
+    """Record (and warn) that ``ckpt`` is not the state its journal line names (``why``): the
+    replay tries an older checkpoint."""
+    where = f"journaled at step {start_line['step']} (line {journal.number(start_line)})"
+    passed.append(f"{ckpt}, {where}: {why}")
+    warnings.warn(_overwritten(ckpt, where, why), stacklevel=3)
 
 
 def _launch_ranks(
