@@ -29,8 +29,15 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def derive_seed(seed: int, step: int, micro_step: int = 0, stream: int = TRAIN) -> int:
+def derive_seed(
+    seed: int, step: int, micro_step: int = 0, stream: int = TRAIN, rank: int = 0
+) -> int:
     """The 63-bit seed for one step; a pure function of its arguments.
+
+    ``rank``: the data-parallel rank that runs the step. Each rank trains on its own shard,
+    so each draws its own numbers (dropout masks): rank 0's are the one-process run's, the
+    others' are mixed with their rank (ranks drawing alike would correlate the noise of
+    samples that one process would draw independently).
 
     Example:
         >>> derive_seed(0, 10) == derive_seed(0, 10)
@@ -41,6 +48,8 @@ def derive_seed(seed: int, step: int, micro_step: int = 0, stream: int = TRAIN) 
     z = _mix64(seed & _MASK64)
     for part in (step, micro_step, stream):
         z = _mix64(z ^ (part & _MASK64))
+    if rank:
+        z = _mix64(z ^ ((rank << 32) & _MASK64))
     return z >> 1  # torch generators take seeds below 2**63 without complaint on every backend
 
 

@@ -409,8 +409,10 @@ class TrainStep:
         update_fn: UpdateFn | None = None,
         wrap_core: Callable[[Callable], Callable] | None = None,
         rng_devices: Callable[[TrainState], tuple[int | str, ...]] | None = None,
+        rank: int = 0,
     ) -> None:
         self.loss_fn = loss_fn
+        self._rank = rank  # the data-parallel rank: its own random numbers (rng.derive_seed)
         self.tx = tx
         self.clip = clip
         self.grad_norm = grad_norm
@@ -499,7 +501,8 @@ class TrainStep:
         micro = state.micro_step
         apply = flush or micro + 1 >= self.accumulate
         frozen = self._frozen(state.opt_state)
-        with rng.seeded(rng.derive_seed(state.seed, state.step, micro), self._rng_devices(state)):
+        seed = rng.derive_seed(state.seed, state.step, micro, rank=self._rank)
+        with rng.seeded(seed, self._rng_devices(state)):
             if apply:
                 opt_state, precision, metrics = self._update(
                     state.module,
@@ -645,18 +648,20 @@ class CustomStep:
         fn: Callable[[TrainState, Batch], tuple[TrainState, Mapping[str, Any]]],
         *,
         rng_devices: Callable[[TrainState], tuple[int | str, ...]] | None = None,
+        rank: int = 0,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"a custom train step must be callable (got {type(fn).__name__})")
         self.fn = fn
         self._rng_devices = rng_devices or _cuda_devices
+        self._rank = rank
 
     def __call__(
         self, state: TrainState, batch: Batch, *, flush: bool = False
     ) -> tuple[TrainState, Metrics]:
         state.check_alive("train_step")
         _set_mode(state.module, True)
-        seed = rng.derive_seed(state.seed, state.step, state.micro_step)
+        seed = rng.derive_seed(state.seed, state.step, state.micro_step, rank=self._rank)
         with rng.seeded(seed, self._rng_devices(state)):
             out = self.fn(state, batch)
         name = getattr(self.fn, "__name__", repr(self.fn))
@@ -696,10 +701,12 @@ class _InferenceStep(Generic[Out]):
         compile: bool | Mapping[str, Any] = False,
         wrap_core: Callable[[Callable], Callable] | None = None,
         rng_devices: Callable[[TrainState], tuple[int | str, ...]] | None = None,
+        rank: int = 0,
     ) -> None:
         self.fn = fn
         self.inference_mode = inference_mode
         self._rng_devices = rng_devices or _cuda_devices
+        self._rank = rank
         self._core = (wrap_core or (lambda core: _maybe_compile(core, compile)))(self._run)
 
     def _run(self, module, params, buffers, batch):
@@ -712,7 +719,7 @@ class _InferenceStep(Generic[Out]):
         state.check_alive(type(self).__name__)
         _set_mode(state.module, False)
         grad_mode = torch.inference_mode() if self.inference_mode else torch.no_grad()
-        seed = rng.derive_seed(state.seed, state.step, state.batch_idx, self.stream)
+        seed = rng.derive_seed(state.seed, state.step, state.batch_idx, self.stream, self._rank)
         with grad_mode, rng.seeded(seed, self._rng_devices(state)):
             return self._core(state.module, state.params, state.buffers, batch)
 

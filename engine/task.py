@@ -191,7 +191,8 @@ class Task:
             for t in () if transforms is None else transforms.transforms:
                 if getattr(t, "wraps_any_step", False):  # anomaly detection: around the call
                     fn = t.wrap_core(fn)
-            return CustomStep(fn, rng_devices=rng_devices)
+            rank = 0 if transforms is None else transforms.strategy.global_rank
+            return CustomStep(fn, rng_devices=rng_devices, rank=rank)
         assert self.loss_fn is not None and self.tx is not None
         kwargs.setdefault("grad_norm", self.grad_norm)
         if transforms is not None:

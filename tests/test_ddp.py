@@ -231,3 +231,36 @@ def test_strategy_must_be_a_strategy():
         DDP(backend="tcp")
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         DDP(bucket_cap_mb=0)
+
+
+def _masks(rank: int):
+    """The dropout mask each rank's step draws, and its evaluation's."""
+    strategy = DDP() if rank >= 0 else None
+    if strategy is not None:
+        strategy.setup()
+    pipeline = transforms.compose(strategy=strategy)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5))
+    state = pipeline.prepare(eg.TrainState.create(model, _tx()))
+
+    masks = []
+
+    def loss(m, batch):
+        out = m(batch[0])
+        masks.append((out != 0).detach().clone())
+        return out.mean()
+
+    step = pipeline.train_step(loss, _tx())
+    x = torch.ones(B, 6)
+    step(state, (x, x))
+    return masks[0]
+
+
+def _one_mask(rank: int):
+    return _masks(-1)
+
+
+def test_each_rank_draws_its_own_dropout_masks_rank_zero_the_one_process_ones():
+    (one,) = run_ranks(_one_mask, 1)
+    r0, r1 = run_ranks(_masks, 2)
+    assert torch.equal(r0, one)  # rank 0 draws what one process draws
+    assert not torch.equal(r0, r1)  # the other rank's shard gets masks of its own

@@ -244,6 +244,7 @@ class Pipeline:
             update_fn=self.update_fn(tx, grad_norm=grad_norm),
             wrap_core=self.wrap_core,
             rng_devices=self.rng_devices,
+            rank=self.strategy.global_rank,
         )
 
     def eval_step(self, fn: Callable[[Any, Any], Any], *, inference_mode: bool = True) -> EvalStep:
@@ -253,6 +254,7 @@ class Pipeline:
             inference_mode=inference_mode,
             wrap_core=self.wrap_core,
             rng_devices=self.rng_devices,
+            rank=self.strategy.global_rank,
         )
 
     def predict_step(
@@ -264,6 +266,7 @@ class Pipeline:
             inference_mode=inference_mode,
             wrap_core=self.wrap_core,
             rng_devices=self.rng_devices,
+            rank=self.strategy.global_rank,
         )
 
     def _eval_fn(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
