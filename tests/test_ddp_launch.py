@@ -123,7 +123,10 @@ def _ok(proc) -> None:
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-def _one_process(tmp_path: Path) -> dict:
+@pytest.fixture(scope="module")
+def one(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The reference: one process on the whole batch (run once for the module)."""
+    tmp_path = tmp_path_factory.mktemp("one")
     root = tmp_path / "one"
     _ok(_run(tmp_path, {"strategy": "auto", "devices": 1, "batch": 16, "root": str(root)}))
     (final,) = _finals(root)
@@ -136,8 +139,7 @@ def _close(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
-def test_spawned_ranks_return_rank_zeros_final_state_to_the_caller(tmp_path, strategy):
-    one = _one_process(tmp_path)
+def test_spawned_ranks_return_rank_zeros_final_state_to_the_caller(tmp_path, strategy, one):
     root = tmp_path / strategy
     proc = _run(tmp_path, {"strategy": strategy, "devices": 2, "batch": 8, "root": str(root)})
     _ok(proc)
@@ -148,8 +150,7 @@ def test_spawned_ranks_return_rank_zeros_final_state_to_the_caller(tmp_path, str
     assert proc.stdout.count("Trainable params") == 1  # the summary, printed by rank 0
 
 
-def test_two_nodes_on_loopback_join_one_group(tmp_path):
-    one = _one_process(tmp_path)
+def test_two_nodes_on_loopback_join_one_group(tmp_path, one):
     root = tmp_path / "nodes"
     port = str(free_port())
     args = {"strategy": "ddp", "devices": 1, "num_nodes": 2, "batch": 8, "root": str(root)}
@@ -190,8 +191,7 @@ def test_a_rank_that_raises_ends_the_run_with_its_error(tmp_path, strategy):
     assert "rank 1 gave up on purpose" in proc.stderr, proc.stderr[-4000:]
 
 
-def test_sync_dist_reduces_an_epoch_value_over_the_ranks(tmp_path):
-    one = _one_process(tmp_path)
+def test_sync_dist_reduces_an_epoch_value_over_the_ranks(tmp_path, one):
     root = tmp_path / "sync"
     _ok(
         _run(
