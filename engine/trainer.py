@@ -1471,6 +1471,8 @@ class _FitRun(_Services):
         self.train_step, self.eval_run = step, eval_run
         self.val_loaders, self.dm = val_loaders, dm
         self.reported_nonfinite = False  # a non-finite training loss is reported once a fit
+        # one process has nothing to agree with: its own stop and signal are the run's
+        self.several = trainer._strategy.world_size > 1
 
     def reload_train_loader(self, state: TrainState, progress: Progress) -> Any:
         # the datamodule's train_dataloader() again (reload_dataloaders_every_n_epochs)
@@ -1538,6 +1540,8 @@ class _FitRun(_Services):
         return reducer.epoch_logged(self.trainer._strategy.sync)
 
     def agree(self, state: TrainState, progress: Progress) -> Progress:
+        if not self.several:
+            return progress
         t = self.trainer
         stop, signalled = t._strategy.agree((progress.should_stop, t._signals.received is not None))
         if signalled and t._signals.received is None:  # another rank's: stop with it
