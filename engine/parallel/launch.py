@@ -680,6 +680,9 @@ class SpawnLauncher:
             result = Path(outbox) / "result.pt"
             if not result.exists():
                 raise ChildProcessFailed("spawned rank 0 ended without leaving its result")
+            # the function's own return value, written by the child this call spawned into a
+            # private temporary directory (mkdtemp: mode 0700) that only this process and its
+            # children know: not a checkpoint, and no one else's code
             return torch.load(
                 result, map_location="cpu", weights_only=False, pickle_module=_pickle_module
             )
