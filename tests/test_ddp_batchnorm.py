@@ -366,6 +366,9 @@ def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    # the ranks share one stdout pipe: unbuffered (as CI's environment may be), print's pieces
+    # from two ranks interleave mid-line; buffered, each flushed line is one write
+    env.pop("PYTHONUNBUFFERED", None)
     return env
 
 

@@ -98,6 +98,9 @@ def _env(**extra: str) -> dict[str, str]:
         "ENGINE_LAUNCHED_BY",
     ):
         env.pop(k, None)
+    # the ranks share one stdout pipe: unbuffered (as CI's environment may be), print's pieces
+    # from two ranks interleave mid-line; buffered, each flushed line is one write
+    env.pop("PYTHONUNBUFFERED", None)
     env.update(extra)
     return env
 

@@ -123,6 +123,9 @@ def _env() -> dict[str, str]:
         "TORCHELASTIC_RUN_ID",
     ):
         env.pop(k, None)
+    # the ranks share one stdout pipe: unbuffered (as CI's environment may be), print's pieces
+    # from two ranks interleave mid-line; buffered, each flushed line is one write
+    env.pop("PYTHONUNBUFFERED", None)
     return env
 
 

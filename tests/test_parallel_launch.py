@@ -21,6 +21,7 @@ import torch.distributed as dist
 import engine as eg
 from engine import optim
 from engine.parallel import environments as envs
+from engine.parallel import launch
 from engine.parallel.environments import (
     LAUNCHED_BY_VAR,
     ClusterEnvironment,
@@ -48,6 +49,8 @@ _DIST_VARS = (
     "LOCAL_WORLD_SIZE",
     "TORCHELASTIC_RUN_ID",
     LAUNCHED_BY_VAR,
+    # the ranks share one stdout pipe: unbuffered, print's pieces interleave mid-line
+    "PYTHONUNBUFFERED",
 )
 
 
@@ -621,3 +624,43 @@ def test_spawn_launcher_refuses_to_launch_from_a_child_importing_the_script(monk
     monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
     with pytest.raises(RuntimeError, match=r"under `if __name__ == '__main__':`"):
         SpawnLauncher(2, start_method="spawn").launch(print)
+
+
+class _Exited:
+    def __init__(self, exitcode: int | None, pid: int = 1) -> None:
+        self.exitcode, self.pid = exitcode, pid
+
+
+def _record(outbox, index: int, message: str, when: float) -> None:
+    import pickle
+
+    record = {"time": when, "type": "builtins.RuntimeError", "message": message,
+              "traceback": "", "exception": None}  # fmt: skip
+    (outbox / f"error-{index}.pkl").write_bytes(pickle.dumps(record))
+
+
+def test_the_first_recorded_error_is_the_cause_not_the_rank_torch_polled_first(tmp_path):
+    # Rank 1 raised; rank 0, blocked in an all-reduce, then lost its peer: torch may poll rank 0
+    # first (what CI met), and the report must still be rank 1's own error.
+    _record(tmp_path, 0, "Connection closed by peer [127.0.0.1]:8093", when=2.0)
+    _record(tmp_path, 1, "rank 1 gave up on purpose", when=1.0)
+    processes = [_Exited(1), _Exited(1)]
+    assert launch._root_cause(tmp_path, processes, detected=0) == (1, None)
+    assert launch._root_cause(tmp_path, processes, detected=1) == (1, None)
+
+
+def test_a_lost_peer_points_at_the_process_that_exited_without_raising(tmp_path):
+    _record(tmp_path, 0, "Connection closed by peer [127.0.0.1]:8093", when=2.0)
+    processes = [_Exited(1), _Exited(3)]  # rank 1: os._exit(3), no record
+    assert launch._root_cause(tmp_path, processes, detected=0) == (1, 3)
+    # A process killed by a signal before anyone noticed is the cause as torch saw it.
+    assert launch._root_cause(tmp_path, [_Exited(1), _Exited(-9)], detected=1) == (1, -9)
+    # A rank's own error (not a lost peer) is never passed over for another's exit code.
+    _record(tmp_path, 0, "CUDA out of memory", when=2.0)
+    assert launch._root_cause(tmp_path, processes, detected=0) == (0, None)
+
+
+def test_a_half_written_error_record_is_not_taken_for_the_cause(tmp_path):
+    _record(tmp_path, 1, "rank 1 broke", when=5.0)
+    (tmp_path / "error-0.pkl").write_bytes(b"\x80\x04\x95")  # stopped mid-write
+    assert launch._root_cause(tmp_path, [_Exited(-15), _Exited(1)], detected=1) == (1, None)

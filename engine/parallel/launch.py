@@ -541,6 +541,7 @@ def _write_error(path: Path, error: BaseException) -> None:
     except Exception:
         pickled = None
     record = {
+        "time": time.time(),  # which process failed first (see _root_cause)
         "type": f"{type(error).__module__}.{type(error).__qualname__}",
         "message": str(error),
         "traceback": traceback.format_exc(),
@@ -659,17 +660,16 @@ class SpawnLauncher:
                             f"the {self.num_processes} spawned processes ran past "
                             f"SpawnLauncher(timeout={self.timeout:g}) and were killed"
                         )
-            except mp.ProcessRaisedException as error:
-                raised = _child_error(Path(outbox), error.error_index, str(error))
-                raise raised from raised.__cause__  # the child's traceback, not torch's report
-            except mp.ProcessExitedException as error:
-                if (Path(outbox) / f"error-{error.error_index}.pkl").exists():  # SystemExit
-                    raised = _child_error(Path(outbox), error.error_index, str(error))
-                    raise raised from raised.__cause__
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+                # torch names the first failed process it polled, which may be a rank that only
+                # saw another one go (gloo's "Connection closed by peer"): report the cause
+                index, code = _root_cause(Path(outbox), context.processes, error.error_index)
+                if code is None:  # it raised (or called sys.exit): its own error, re-raised
+                    raised = _child_error(Path(outbox), index, str(error))
+                    raise raised from raised.__cause__  # the child's traceback, not torch's
                 raise ChildProcessFailed(
-                    f"spawned process {error.error_index} (pid {error.error_pid}) exited with "
-                    f"{_describe(error.exit_code)} without raising an exception; the others "
-                    "were stopped"
+                    f"spawned process {index} (pid {context.processes[index].pid}) exited with "
+                    f"{_describe(code)} without raising an exception; the others were stopped"
                 ) from None
             except BaseException:  # interrupted here: take the children down with us
                 for process in context.processes:
@@ -686,6 +686,36 @@ class SpawnLauncher:
             return torch.load(
                 result, map_location="cpu", weights_only=False, pickle_module=_pickle_module
             )
+
+
+# What a rank raises when another one went away: a consequence, never the cause.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _root_cause(outbox: Path, processes: list[Any], detected: int) -> tuple[int, int | None]:
+    """The process whose failure ended the run, and its exit code if it left no error.
+
+    ``detected`` is the process torch saw fail first. Of the processes that recorded an error
+    (``error-<i>.pkl``), the earliest is the cause, unless it is only a lost peer
+    (:data:`_PEER_LOST`) and another process exited by itself (a positive exit code) without
+    raising: that one took the peer away. A process torch saw exit without a record is the
+    cause as it stands (it died before anyone could notice: a signal, ``os._exit``).
+    """
+    records: dict[int, dict[str, Any]] = {}
+    for path in outbox.glob("error-*.pkl"):
+        try:
+            with open(path, "rb") as f:
+                records[int(path.stem.split("-")[1])] = pickle.load(f)
+        except Exception:  # a record half-written when its process was stopped: not the cause
+            continue
+    if detected not in records:
+        return detected, processes[detected].exitcode
+    first = min(records, key=lambda i: (records[i].get("time", float("inf")), i))
+    if any(marker in records[first]["message"] for marker in _PEER_LOST):
+        for index, process in enumerate(processes):
+            if index not in records and (process.exitcode or 0) > 0:
+                return index, process.exitcode
+    return first, None
 
 
 def _child_error(outbox: Path, index: int, fallback: str) -> BaseException:
