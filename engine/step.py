@@ -152,11 +152,22 @@ class _Prebound:
     module: nn.Module
 
 
+#: a transform's view of the parameters, ``bind(module, params) -> params`` (Transform.bind)
+Bind = Callable[[Any, Any], Any]
+
+
 def _view(
     module: nn.Module | _Prebound | None,
     params: Mapping[str, Tensor],
     buffers: Mapping[str, Tensor],
+    bind: Bind | None = None,
 ) -> Any:
+    if bind is not None:
+        # a transform's view of the parameters (a sharding strategy's gathered shards): the
+        # forward reads what it returns, and the gradients flow back through it to ``params``
+        template = module.module if isinstance(module, _Prebound) else module
+        params = bind(template, params)
+        module = template  # a compiled core binds the returned tensors, not the slots
     if module is None:
         return {**params, **buffers} if buffers else params
     if isinstance(module, _Prebound):
@@ -410,8 +421,10 @@ class TrainStep:
         wrap_core: Callable[[Callable], Callable] | None = None,
         rng_devices: Callable[[TrainState], tuple[int | str, ...]] | None = None,
         rank: int = 0,
+        bind: Bind | None = None,
     ) -> None:
         self.loss_fn = loss_fn
+        self._bind = bind  # the transforms' view of the parameters (Transform.bind)
         self._rank = rank  # the data-parallel rank: its own random numbers (rng.derive_seed)
         self.tx = tx
         self.clip = clip
@@ -442,7 +455,8 @@ class TrainStep:
 
     def _grads(self, module, params, buffers, precision, batch, frozen):
         def forward():
-            return _split(self.loss_fn(_view(module, params, buffers), batch), "loss_fn")
+            view = _view(module, params, buffers, self._bind)
+            return _split(self.loss_fn(view, batch), "loss_fn")
 
         if frozen:
             params_list: list[Tensor] = PartlyFrozen(
@@ -702,15 +716,17 @@ class _InferenceStep(Generic[Out]):
         wrap_core: Callable[[Callable], Callable] | None = None,
         rng_devices: Callable[[TrainState], tuple[int | str, ...]] | None = None,
         rank: int = 0,
+        bind: Bind | None = None,
     ) -> None:
         self.fn = fn
+        self._bind = bind
         self.inference_mode = inference_mode
         self._rng_devices = rng_devices or _cuda_devices
         self._rank = rank
         self._core = (wrap_core or (lambda core: _maybe_compile(core, compile)))(self._run)
 
     def _run(self, module, params, buffers, batch):
-        return self._finish(self.fn(_view(module, params, buffers), batch))
+        return self._finish(self.fn(_view(module, params, buffers, self._bind), batch))
 
     def _finish(self, out: Any) -> Any:
         return out

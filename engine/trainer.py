@@ -924,7 +924,7 @@ class Trainer(FlagViews):
                 # the run's step transforms; the state placed and cast once, before a
                 # checkpoint is restored into it (so it is read straight into that form)
                 self._transforms = self._pipeline(fit=stage == "fit")
-                self._state = self._transforms.prepare(state)
+                self._state = self._transforms.prepare(state, task.tx)
                 if ckpt_path is not None:
                     self._restore(ckpt_path, self._state)
                 yield

@@ -1,4 +1,4 @@
-"""The step-transform interface: seven hooks, each the identity unless a transform overrides it.
+"""The step-transform interface: nine hooks, each the identity unless a transform overrides it.
 
 A transform changes how a step runs without changing what it computes in float32 on one device:
 where the state lives and batches go, the precision of the forward pass and the loss scale, the
@@ -24,6 +24,8 @@ hook               what it wraps or changes                     implementations
                    engine.step.UpdateFn`), with the state's     check, skipped step, the scale's
                    ``precision``; returns metrics too           growth), ``Observe``
 ``wrap_core``      each pure core (tensors in, tensors out)     ``Compile``, ``DetectAnomaly``
+``bind``           the parameters the forward reads, inside     ``FSDP`` (gathers the shards)
+                   the differentiated region
 ``reduce``         the accumulation window's gradients, once    ``DDP`` (a bucketed all-reduce)
                    per optimizer step, before every
                    ``wrap_update`` (so the precision's finite
@@ -70,8 +72,20 @@ class Transform:
     """
 
     def prepare(self, state: TrainState) -> TrainState:
-        """The state, made ready once before the steps run (placed, cast, sharded)."""
+        """The state, made ready once before the steps run (placed, cast, sharded).
+
+        A transform that must see the optimizer (to shard its state as the parameters are)
+        declares ``prepare(self, state, tx=None)``: :meth:`Pipeline.prepare` passes the run's
+        optimizer to it."""
         return state
+
+    def bind(self, module: Any, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The parameters as the forward reads them, inside the differentiated region: called
+        once per forward of every train, evaluation and prediction step (eager and compiled),
+        with the state's parameters, whose gradients the step takes. ``module`` is the state's
+        module template (``None`` for a pure-function model). A sharding strategy gathers the
+        shards here, so that the gradient flows back to them through the gather."""
+        return params
 
     def move(self, batch: Any) -> Any:
         """A batch, made ready for the step (moved to the device, cast)."""

@@ -19,10 +19,12 @@ never the reverse.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+from torch import Tensor
 
 from engine.optim.base import GradientTransformation, chain
 from engine.state import TrainState
@@ -133,6 +135,14 @@ def _reducing(update_fn: UpdateFn, reducers: tuple[Callable[[Any], Any], ...]) -
     return update
 
 
+def _takes_tx(t: Transform) -> bool:
+    """Whether ``t.prepare`` declares a ``tx`` parameter (it sees the optimizer)."""
+    try:
+        return "tx" in inspect.signature(t.prepare).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _flag(kind: Callable[[], Transform], on: bool) -> Transform | None:
     if not isinstance(on, bool):
         raise TypeError(f"compose(): expected True or False (got {on!r})")
@@ -171,11 +181,28 @@ class Pipeline:
         inner = ", ".join(repr(t) for t in self.transforms)
         return f"Pipeline({inner}, accumulate={self.accumulate})"
 
-    def prepare(self, state: TrainState) -> TrainState:
-        """The state made ready for the steps: each transform's ``prepare``, in order."""
+    def prepare(self, state: TrainState, tx: GradientTransformation | None = None) -> TrainState:
+        """The state made ready for the steps: each transform's ``prepare``, in order, those
+        that take one given the run's optimizer ``tx`` (a sharding strategy shards its state as
+        it shards the parameters)."""
         for t in self.transforms:
-            state = t.prepare(state)
+            state = t.prepare(state, tx) if _takes_tx(t) else t.prepare(state)  # type: ignore[call-arg]
         return state
+
+    def bind_fn(self) -> Callable[[Any, dict[str, Tensor]], dict[str, Tensor]] | None:
+        """Every ``bind``, outermost last (``None`` when no transform binds)."""
+        binders = [t.bind for t in self.transforms if t.overrides("bind")]
+        if not binders:
+            return None
+        if len(binders) == 1:
+            return binders[0]
+
+        def bind(module: Any, params: dict[str, Tensor]) -> dict[str, Tensor]:
+            for b in reversed(binders):
+                params = b(module, params)
+            return params
+
+        return bind
 
     def move(self, batch: Any) -> Any:
         """A batch made ready for a step: each transform's ``move``, in order."""
@@ -245,6 +272,7 @@ class Pipeline:
             wrap_core=self.wrap_core,
             rng_devices=self.rng_devices,
             rank=self.strategy.global_rank,
+            bind=self.bind_fn(),
         )
 
     def eval_step(self, fn: Callable[[Any, Any], Any], *, inference_mode: bool = True) -> EvalStep:
@@ -255,6 +283,7 @@ class Pipeline:
             wrap_core=self.wrap_core,
             rng_devices=self.rng_devices,
             rank=self.strategy.global_rank,
+            bind=self.bind_fn(),
         )
 
     def predict_step(
@@ -267,6 +296,7 @@ class Pipeline:
             wrap_core=self.wrap_core,
             rng_devices=self.rng_devices,
             rank=self.strategy.global_rank,
+            bind=self.bind_fn(),
         )
 
     def _eval_fn(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

@@ -1,0 +1,447 @@
+"""Fully sharded data parallel training on torch's FSDP2 building blocks: :class:`FSDP`, a
+:class:`~engine.transforms.Strategy`.
+
+Every rank holds ``1/W`` of each parameter, of its gradient and of its optimizer state, as a
+``torch.distributed.tensor.DTensor`` sharded along dim 0 (``Shard(0)``; a 0-dim tensor is
+replicated) over a one-dimensional device mesh of the ``W`` ranks. What a step does with them:
+
+* ``prepare(state, tx)`` broadcasts rank 0's state (as :class:`~engine.parallel.DDP` does), then
+  keeps this rank's shard of every parameter, of the partial gradient sum and of every optimizer
+  leaf ``tx.init`` makes parameter-shaped (the optimizer is given, so its state is sharded by
+  the structure ``tx.init`` gives the sharded parameters, not guessed from shapes). The module's
+  own parameter slots are left holding meta tensors (shapes only): the full weights are not kept
+  anywhere;
+* ``bind`` (the step's view of the parameters, inside the differentiated region) gathers each
+  parameter where the forward reads it: per *unit* (the modules ``auto_wrap_policy`` picks, as
+  torch's ``fully_shard`` is applied per transformer block, and the root for the rest), in a
+  forward pre-hook of the unit, its slots given back their shards after the unit's forward. The
+  gather is ``DTensor.full_tensor(grad_placements=[Partial()])``, whose backward is a
+  reduce-scatter: each rank receives the sum over the ranks of its shard's gradient;
+* ``reshard_after_forward=True`` (``FULL_SHARD``, ZeRO-3): a gathered parameter is not kept for
+  the backward pass; what autograd saves of it is a reference to the shard, gathered again
+  when backward needs it (saved-tensor hooks, in ``wrap_grad``). ``False`` (``SHARD_GRAD_OP``,
+  ZeRO-2): the gathered parameter stays from the forward to the backward;
+* ``reduce`` divides the reduce-scattered sums by ``W`` (the average, as DDP's), once per
+  optimizer step, before the precision's finite check and the clip: the optimizer then updates
+  each rank's shard in place. Clipping's global norm is a DTensor reduction over every shard.
+
+Under ``torch.compile`` the gathers are traced into the graph with every parameter gathered at
+the start of the forward (units are an eager notion), and Inductor's C++ wrapper, which does not
+take the all-gather, is not used.
+
+Launch, the loaders' sharding, the driver's collectives and the metrics' sync are
+:class:`~engine.parallel.DDP`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+
+from engine.optim.base import GradientTransformation
+from engine.parallel.ddp import DDP
+from engine.state import TrainState
+
+__all__ = ["FSDP", "is_sharded"]
+
+_SHARDING = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+_STATE_DICT_TYPES = ("sharded", "full")
+
+
+def is_sharded(state: TrainState) -> bool:
+    """Whether any of ``state``'s tensors is a ``DTensor`` (a state :class:`FSDP` prepared)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(
+        isinstance(t, DTensor)
+        for t in pytree.tree_leaves((state.params, state.opt_state, state.grad_accum))
+    )
+
+
+class FSDP(DDP):
+    """Fully sharded data parallel (Lightning's ``strategy="fsdp"``), on DTensors.
+
+    Args:
+        auto_wrap_policy: which submodules are units, each gathered at its own forward and
+            freed after it: a set (or list, tuple) of module classes, such as
+            ``{nn.TransformerEncoderLayer}``, or a function ``policy(module) -> bool``. The root
+            module is always a unit (for the parameters no other unit holds). Default: the root
+            alone (every parameter gathered at the start of the forward).
+        sharding_strategy: ``"FULL_SHARD"`` (ZeRO-3: parameters freed after each unit's forward
+            and gathered again in backward) or ``"SHARD_GRAD_OP"`` (ZeRO-2: kept from forward to
+            backward). Lightning's ``"NO_SHARD"`` is :class:`~engine.parallel.DDP`.
+        reshard_after_forward: FSDP2's name for the same choice (``True``: ``FULL_SHARD``); when
+            given it must agree with ``sharding_strategy`` if that is given too.
+        cpu_offload: keep the shards on the CPU (torch's ``CPUOffloadPolicy``); accepted where
+            the shards are on the CPU already (a CPU run), refused on an accelerator, where it is
+            not built yet.
+        state_dict_type: how the Trainer's checkpoints are written: ``"sharded"`` (each rank its
+            shards, through ``torch.distributed.checkpoint``) or ``"full"`` (gathered).
+        **kwargs: :class:`~engine.parallel.DDP`'s ``environment``, ``backend``, ``timeout``,
+            ``start_method``, ``devices``, ``sync_batchnorm``, ``broadcast_buffers``.
+
+    Raises:
+        ValueError: an unknown ``sharding_strategy`` or ``state_dict_type``, a
+            ``reshard_after_forward`` that contradicts it, or a bad ``auto_wrap_policy``.
+
+    Example:
+        >>> FSDP(sharding_strategy="SHARD_GRAD_OP").reshard_after_forward
+        False
+        >>> FSDP(sharding_strategy="NO_SHARD")
+        Traceback (most recent call last):
+        ...
+        ValueError: FSDP(sharding_strategy='NO_SHARD') shards nothing: use strategy='ddp' ...
+    """
+
+    def __init__(
+        self,
+        *,
+        auto_wrap_policy: Iterable[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
+        sharding_strategy: str | None = None,
+        reshard_after_forward: bool | None = None,
+        cpu_offload: bool = False,
+        state_dict_type: str = "sharded",
+        **kwargs: Any,
+    ) -> None:
+        for unused in ("bucket_cap_mb", "find_unused_parameters"):
+            if unused in kwargs:
+                raise TypeError(f"FSDP({unused}=...) is DDP's option; FSDP has no buckets")
+        super().__init__(**kwargs)
+        if sharding_strategy is not None and sharding_strategy not in _SHARDING:
+            if sharding_strategy == "NO_SHARD":
+                raise ValueError(
+                    "FSDP(sharding_strategy='NO_SHARD') shards nothing: use strategy='ddp' "
+                    "(engine.parallel.DDP)"
+                )
+            raise ValueError(
+                f"FSDP(sharding_strategy={sharding_strategy!r}): pass 'FULL_SHARD' (ZeRO-3) or "
+                "'SHARD_GRAD_OP' (ZeRO-2)"
+                + (
+                    "; hybrid sharding (a mesh of nodes) is not built"
+                    if str(sharding_strategy).startswith("HYBRID")
+                    else ""
+                )
+            )
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            raise TypeError(
+                f"FSDP(reshard_after_forward={reshard_after_forward!r}): pass True or False"
+            )
+        implied = None if sharding_strategy is None else _SHARDING[sharding_strategy]
+        if None not in (implied, reshard_after_forward) and implied != reshard_after_forward:
+            raise ValueError(
+                f"FSDP(sharding_strategy={sharding_strategy!r}, reshard_after_forward="
+                f"{reshard_after_forward!r}) contradict each other: pass one of them"
+            )
+        if reshard_after_forward is None:
+            reshard_after_forward = True if implied is None else implied
+        if state_dict_type not in _STATE_DICT_TYPES:
+            raise ValueError(f"FSDP(state_dict_type={state_dict_type!r}): pass 'sharded' or 'full'")
+        if not isinstance(cpu_offload, bool):
+            raise TypeError(f"FSDP(cpu_offload={cpu_offload!r}): pass True or False")
+        self.auto_wrap_policy = _policy(auto_wrap_policy)
+        self.reshard_after_forward = reshard_after_forward
+        self.sharding_strategy = "FULL_SHARD" if reshard_after_forward else "SHARD_GRAD_OP"
+        self.cpu_offload = cpu_offload
+        self.state_dict_type = state_dict_type
+        self._mesh: Any = None
+        # the gathered tensors alive in this step's forward, by storage (see _Saved)
+        self._saved = _Saved()
+
+    def __repr__(self) -> str:
+        return (
+            f"FSDP(world_size={self.world_size}, global_rank={self.global_rank}, "
+            f"sharding_strategy={self.sharding_strategy!r}, backend={self._backend()!r})"
+        )
+
+    @property
+    def mesh(self) -> Any:
+        """The one-dimensional device mesh of every rank (built at the first ``prepare``)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device = self.device
+            kind = device.type if device is not None else "cpu"
+            self._mesh = init_device_mesh(kind, (dist.get_world_size(),))
+        return self._mesh
+
+    # ------------------------------------------------------------------ step hooks
+
+    def prepare(self, state: TrainState, tx: GradientTransformation | None = None) -> TrainState:
+        """``state`` with this rank's shards of its parameters, partial gradient sum and
+        optimizer state (rank 0's values: broadcast first); a sharded state as it is."""
+        if is_sharded(state):
+            return state
+        state = super().prepare(state)  # rank 0's bits everywhere (and synced batch norms)
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return state
+        if self.cpu_offload and any(p.device.type != "cpu" for p in state.params.values()):
+            raise ValueError(
+                "FSDP(cpu_offload=True) with the state on "
+                f"{next(iter(state.params.values())).device}: offloading an accelerator's "
+                "shards to the CPU is not built yet; leave cpu_offload off"
+            )
+        mesh = self.mesh
+        params = {
+            k: _shard(p, mesh).requires_grad_(p.requires_grad) for k, p in state.params.items()
+        }
+        opt_state = _shard_optimizer(state, params, tx, mesh)
+        grad_accum = (
+            None
+            if state.grad_accum is None
+            else {k: _shard(g, mesh) for k, g in state.grad_accum.items()}
+        )
+        if state.module is not None:
+            _release(state.module)
+            _Units.install(state.module, self.auto_wrap_policy, self)
+        return state.replace(params=params, opt_state=opt_state, grad_accum=grad_accum)
+
+    def bind(self, module: Any, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The parameters the forward reads: under compilation (or for a pure-function model)
+        every one gathered here; eagerly the shards, which each unit's forward pre-hook gathers
+        into its slots (see the module's docstring)."""
+        if module is None or torch.compiler.is_compiling():
+            return {k: self.gather(p) for k, p in params.items()}
+        return params
+
+    def gather(self, shard: Tensor) -> Tensor:
+        """The full value of ``shard`` (a plain tensor passes), its gradient reduce-scattered
+        back to the shard in backward (summed over the ranks)."""
+        from torch.distributed.tensor import DTensor, Partial
+
+        if not isinstance(shard, DTensor):
+            return shard
+        full = shard.full_tensor(grad_placements=[Partial()] * shard.device_mesh.ndim)
+        if self.reshard_after_forward and not torch.compiler.is_compiling():
+            if not full.is_contiguous():
+                full = full.contiguous()
+            self._saved.add(full, shard)
+        return full
+
+    def wrap_grad(self, grad_fn: Any) -> Any:
+        """``grad_fn`` with what autograd saves of a gathered parameter replaced by its shard
+        (gathered again when backward reads it): ``reshard_after_forward``'s memory."""
+        if not self.reshard_after_forward:
+            return grad_fn
+        saved = self._saved
+
+        def grad(forward, params, accumulate, precision):
+            if torch.compiler.is_compiling():
+                return grad_fn(forward, params, accumulate, precision)
+            with saved.hooks():
+                return grad_fn(forward, params, accumulate, precision)
+
+        return grad
+
+    def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The average over the ranks of each shard's gradient: the backward's reduce-scatter
+        summed them, so this divides by the world size."""
+        self._stepped = True  # buffers are broadcast after this step (DDP.wrap_core)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            return grads
+        names, values = list(grads), list(grads.values())
+        return dict(zip(names, torch._foreach_div(values, float(world)), strict=True))
+
+
+# ---------------------------------------------------------------------- sharding
+
+
+def _shard(t: Tensor, mesh: Any) -> Tensor:
+    """This rank's part of ``t`` (identical on every rank: rank 0's, broadcast): ``Shard(0)``,
+    or replicated for a 0-dim tensor. Sliced locally, no collective."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    placement = Shard(0) if t.ndim > 0 else Replicate()
+    return distribute_tensor(t.detach(), mesh, [placement], src_data_rank=None)
+
+
+def _shard_optimizer(
+    state: TrainState, params: dict[str, Tensor], tx: GradientTransformation | None, mesh: Any
+) -> Any:
+    """``state.opt_state`` sharded as ``tx.init`` shards it for the sharded ``params``: each
+    leaf the sharded init makes a DTensor is cut from the (full) value the state holds."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    old, spec = pytree.tree_flatten_with_path(state.opt_state)
+    if not any(isinstance(v, Tensor) and v.ndim > 0 for _, v in old):
+        return state.opt_state
+    if tx is None:
+        raise ValueError(
+            "FSDP.prepare(state) needs the optimizer to shard its state: call "
+            "pipeline.prepare(state, tx) with the optimizer the state was made with"
+        )
+    fresh = dict(pytree.tree_flatten_with_path(tx.init(params))[0])
+    out = []
+    for path, value in old:
+        model = fresh.get(path)
+        if isinstance(model, DTensor) and isinstance(value, Tensor):
+            if tuple(value.shape) != tuple(model.shape):
+                raise ValueError(
+                    f"FSDP: the optimizer state's {pytree.keystr(path)} has shape "
+                    f"{tuple(value.shape)} where the optimizer makes {tuple(model.shape)}: the "
+                    "state was not made by this optimizer"
+                )
+            value = distribute_tensor(
+                value.detach(), mesh, list(model.placements), src_data_rank=None
+            )
+        out.append(value)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _release(module: nn.Module) -> None:
+    """The module's own parameters replaced by meta tensors of the same shapes (tied ones
+    still tied): a template under FSDP is never read, and its full weights would be a whole
+    unsharded copy on every rank."""
+    replaced: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is None or p.device.type == "meta":
+                continue
+            if id(p) not in replaced:
+                replaced[id(p)] = nn.Parameter(
+                    torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+                )
+            sub._parameters[name] = replaced[id(p)]
+
+
+def _policy(
+    policy: Iterable[type[nn.Module]] | Callable[[nn.Module], bool] | None,
+) -> Callable[[nn.Module], bool]:
+    if policy is None:
+        return lambda module: False
+    if isinstance(policy, type):
+        policy = {policy}
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        classes = tuple(policy)
+        if not classes or not all(
+            isinstance(c, type) and issubclass(c, nn.Module) for c in classes
+        ):
+            raise ValueError(
+                f"FSDP(auto_wrap_policy={policy!r}): pass nn.Module classes, such as "
+                "{nn.TransformerEncoderLayer}, or a function module -> bool"
+            )
+        return lambda module: isinstance(module, classes)
+    if callable(policy):
+        return policy
+    raise ValueError(
+        f"FSDP(auto_wrap_policy={policy!r}): pass a set of nn.Module classes or a function "
+        "module -> bool"
+    )
+
+
+# ---------------------------------------------------------------------- units
+
+
+class _Units:
+    """The forward hooks that gather each unit's parameters into its slots (and give the
+    slots their shards back after the unit's forward), installed once per module."""
+
+    _installed: ClassVar[weakref.WeakKeyDictionary[nn.Module, _Units]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, module: nn.Module, policy: Callable[[nn.Module], bool], owner: FSDP):
+        self.owner = owner
+        units = [module] + [m for m in module.modules() if m is not module and policy(m)]
+        unit_ids = {id(u) for u in units}
+        self.slots: dict[int, list[tuple[dict[str, Any], str]]] = {}
+        for unit in units:
+            own: list[tuple[dict[str, Any], str]] = []
+            stack = [unit]
+            while stack:
+                m = stack.pop()
+                own.extend((m._parameters, name) for name in m._parameters)
+                stack.extend(c for c in m.children() if id(c) not in unit_ids)
+            self.slots[id(unit)] = own
+            unit.register_forward_pre_hook(self._pre)
+            unit.register_forward_hook(self._post, always_call=True)
+        self._held: dict[int, list[list[tuple[dict[str, Any], str, Tensor]]]] = {}
+
+    @classmethod
+    def install(cls, module: nn.Module, policy: Callable[[nn.Module], bool], owner: FSDP) -> None:
+        units = cls._installed.get(module)
+        if units is None:
+            cls._installed[module] = cls(module, policy, owner)
+        else:
+            units.owner = owner
+
+    def _pre(self, unit: nn.Module, args: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        held: list[tuple[dict[str, Any], str, Tensor]] = []
+        for store, name in self.slots[id(unit)]:
+            t = store.get(name)
+            if isinstance(t, DTensor):
+                held.append((store, name, t))
+                store[name] = self.owner.gather(t)
+        self._held.setdefault(id(unit), []).append(held)
+
+    def _post(self, unit: nn.Module, args: Any, out: Any) -> None:
+        stack = self._held.get(id(unit))
+        if stack:
+            for store, name, shard in stack.pop():
+                store[name] = shard
+
+
+class _Saved:
+    """What autograd saves of a gathered parameter, kept as its shard and gathered again when
+    backward reads it (``reshard_after_forward``).
+
+    A gathered tensor is known by its storage's address while that storage lives (a weak
+    reference to the storage: an address is reused once its storage is freed, and any view of
+    a gathered tensor keeps its storage alive, so a live storage at the address is the one
+    gathered). The table is emptied when the step's backward ends.
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[Any, Tensor, int]] = {}
+        self.active = False
+
+    def add(self, full: Tensor, shard: Tensor) -> None:
+        if self.active:
+            storage = full.untyped_storage()
+            self.live[storage.data_ptr()] = (
+                StorageWeakRef(storage),
+                shard,
+                int(full.storage_offset()),
+            )
+
+    def _pack(self, t: Tensor) -> Any:
+        try:
+            key = t.untyped_storage().data_ptr()
+        except Exception:  # a tensor without storage (a subclass): kept as it is
+            return t
+        entry = self.live.get(key)
+        if entry is None or entry[0].expired():
+            return t
+        _, shard, base = entry
+        return (_Regather, shard, t.size(), t.stride(), t.storage_offset() - base)
+
+    @staticmethod
+    def _unpack(packed: Any) -> Tensor:
+        if isinstance(packed, tuple) and packed and packed[0] is _Regather:
+            _, shard, size, stride, offset = packed
+            with torch.no_grad():
+                full = shard.full_tensor().contiguous()
+            return full.as_strided(size, stride, offset)
+        return packed
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        self.active = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self.active = False
+            self.live.clear()
+
+
+class _Regather:
+    """The marker of a packed gathered parameter (see :class:`_Saved`)."""

@@ -1,0 +1,206 @@
+"""Fully sharded steps (engine.parallel.FSDP) on 2 gloo ranks against DDP and one process.
+
+The reference is one process on the whole batch, as for DDP (tests/test_ddp.py): per-rank
+batch b on 2 ranks trains the parameters of one process with batch 2b. FSDP keeps each rank's
+shard of every parameter, gradient and optimizer leaf; gathered at the end, the parameters must
+equal DDP's and one process's within 1e-6 after 20 AdamW steps with clipping and accumulation.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import engine as eg
+from engine import optim, transforms
+from engine.parallel import DDP
+from engine.parallel.fsdp import FSDP, is_sharded
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ranks import run_ranks
+
+pytestmark = pytest.mark.slow
+
+B, STEPS = 8, 20
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.norm(self.lin(x)))
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    # 7 rows in the first weight: shards of 4 and 3 rows (uneven); the head's bias has 3 < 4
+    return nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), Block(5), nn.Linear(5, 3))
+
+
+def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+def _loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def _tx() -> optim.GradientTransformation:
+    return optim.adamw(1e-2, weight_decay=0.01)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _train(rank: int, kind: str, accumulate: int, options: dict, world: int = 2) -> dict:
+    """``kind``: "one" (one process, batch 2B), "ddp" or "fsdp" (2 ranks, batch B each)."""
+    options = dict(options)
+    compile = options.pop("compile", False)
+    kind_of = {"one": None, "ddp": DDP, "fsdp": FSDP}[kind]
+    strategy = kind_of(**options) if kind_of is not None else None
+    if strategy is not None:
+        strategy.setup()
+    tx = _tx()
+    pipeline = transforms.compose(
+        strategy=strategy,
+        clip=optim.clip_by_global_norm(0.5),
+        accumulate=accumulate,
+        compile=compile,
+    )
+    # rank 1 builds other weights: prepare must give it rank 0's
+    state = pipeline.prepare(eg.TrainState.create(_model(0 if rank == 0 else 99), tx), tx)
+    sharded = is_sharded(state)
+    step = pipeline.train_step(_loss, tx)
+    evaluate = pipeline.eval_step(_loss)
+    x, y = _data(STEPS * accumulate * 2 * B)
+    per = 2 * B // world
+    for i in range(STEPS * accumulate):
+        lo = i * 2 * B + rank * per
+        state, _ = step(state, pipeline.move((x[lo : lo + per], y[lo : lo + per])))
+    val = float(evaluate(state, (x[:per], y[:per]))["loss"])
+    out = {
+        "params": {k: _full(v) for k, v in state.params.items()},
+        "opt": [_full(t) for t in torch.utils._pytree.tree_leaves(state.opt_state)],
+        "sharded": sharded,
+        "val": val,
+        "step": state.step,
+    }
+    if sharded:
+        w = state.params["0.weight"]
+        out["local_rows"] = w.to_local().shape[0]
+        out["module_device"] = state.module[0].weight.device.type
+    return out
+
+
+def _close(a: dict, b: dict, tol: float = 1e-6) -> float:
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= tol, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def one() -> dict:
+    return _train(0, "one", 2, {}, world=1)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"sharding_strategy": "SHARD_GRAD_OP"}, {"auto_wrap_policy": {Block, nn.Linear}}],
+    ids=["full-shard", "shard-grad-op", "units"],
+)
+def test_fsdp_equals_ddp_equals_one_process(one, options):
+    ddp = run_ranks(_train, 2, "ddp", 2, {}, timeout=180)
+    fsdp = run_ranks(_train, 2, "fsdp", 2, options, timeout=180)
+    for rank in range(2):
+        assert fsdp[rank]["sharded"] and fsdp[rank]["step"] == STEPS
+        _close(fsdp[rank]["params"], one["params"])
+        _close(fsdp[rank]["params"], ddp[rank]["params"])
+        for a, b in zip(fsdp[rank]["opt"], ddp[rank]["opt"], strict=True):
+            assert (a - b).abs().max().item() <= 1e-6
+    # each rank holds its own rows of the uneven 7-row weight, and the module no full copy
+    assert [r["local_rows"] for r in fsdp] == [4, 3]
+    assert {r["module_device"] for r in fsdp} == {"meta"}
+    # evaluation gathers too: rank 0's first batch, as DDP's rank 0 saw it
+    assert abs(fsdp[0]["val"] - ddp[0]["val"]) < 1e-6
+
+
+def _reshard_memory(rank: int, reshard: bool) -> dict:
+    """How many gathered weights are alive between the forward and the backward."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    strategy = FSDP(reshard_after_forward=reshard, auto_wrap_policy={nn.Linear})
+    strategy.setup()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])
+    tx = optim.sgd(0.1)
+    pipeline = transforms.compose(strategy=strategy)
+    state = pipeline.prepare(eg.TrainState.create(model, tx), tx)
+    gathered: list[StorageWeakRef] = []
+    gather = strategy.gather
+
+    def recording(shard):
+        full = gather(shard)
+        gathered.append(StorageWeakRef(full.untyped_storage()))
+        return full
+
+    strategy.gather = recording  # type: ignore[method-assign]
+    alive: list[int] = []
+    x = torch.randn(8, 256)
+
+    def loss_fn(model, batch):
+        loss = model(batch).pow(2).mean()
+        gc.collect()
+        alive.append(sum(not r.expired() for r in gathered))
+        return loss
+
+    before = _full(state.params["0.weight"])
+    state, _ = pipeline.train_step(loss_fn, tx)(state, x)
+    # the step still trained: the first weight moved against its gradient
+    moved = (_full(state.params["0.weight"]) - before).abs().max().item()
+    return {"gathered": len(gathered), "alive": alive[0], "moved": moved}
+
+
+def test_full_shard_frees_each_gathered_weight_after_its_forward():
+    full = run_ranks(_reshard_memory, 2, True, timeout=120)
+    kept = run_ranks(_reshard_memory, 2, False, timeout=120)
+    # FULL_SHARD: no gathered weight outlives its unit's forward (what backward needs of one
+    # is gathered again from the shard); SHARD_GRAD_OP: the 3 that backward needs (the first
+    # layer's input needs no gradient) are kept from the forward
+    assert [(r["alive"], r["gathered"]) for r in full] == [(0, 4), (0, 4)]
+    assert [(r["alive"], r["gathered"]) for r in kept] == [(3, 4), (3, 4)]
+    assert all(r["moved"] > 0 for r in full + kept)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match=r"NO_SHARD.*strategy='ddp'"):
+        FSDP(sharding_strategy="NO_SHARD")
+    with pytest.raises(ValueError, match="'ZERO'"):
+        FSDP(sharding_strategy="ZERO")
+    with pytest.raises(ValueError, match="contradict"):
+        FSDP(sharding_strategy="FULL_SHARD", reshard_after_forward=False)
+    with pytest.raises(TypeError, match="reshard_after_forward='yes'"):
+        FSDP(reshard_after_forward="yes")
+    with pytest.raises(ValueError, match="state_dict_type='zip'"):
+        FSDP(state_dict_type="zip")
+    with pytest.raises(ValueError, match="auto_wrap_policy"):
+        FSDP(auto_wrap_policy={int})
+    with pytest.raises(TypeError, match="bucket_cap_mb"):
+        FSDP(bucket_cap_mb=10)
+    assert FSDP().sharding_strategy == "FULL_SHARD" and FSDP().reshard_after_forward
+    assert not dist.is_initialized()
