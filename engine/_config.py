@@ -101,10 +101,13 @@ CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {
 
 
 _OTHER_STRATEGIES = {
-    "fsdp": "fully sharded training (FSDP2) arrives with its own issue; use strategy='ddp'",
-    "deepspeed": "engine runs on torch.distributed only; use strategy='ddp'",
+    "deepspeed_stage_3_offload_nvme": (
+        "NVMe offload has no FSDP2 equivalent (DeepSpeed's stages run as FSDP2 here); use "
+        "'deepspeed_stage_3_offload' (CPU offload) or 'deepspeed_stage_3'"
+    ),
     "dp": "Lightning removed DataParallel; use strategy='ddp'",
     "xla": "engine runs on the CPU, CUDA and MPS only",
+    "xla_fsdp": "engine runs on the CPU, CUDA and MPS only; use strategy='fsdp'",
 }
 
 
@@ -124,7 +127,12 @@ def check_strategy(value: Any, processes: int, num_nodes: Any) -> int:
         shown = ", ".join(repr(k) for k in STRATEGIES)
         raise ValueError(
             f"Trainer(strategy={value!r}): "
-            + (why if why else f"accepted values are {shown}, or an engine.parallel.DDP(...)")
+            + (
+                why
+                if why
+                else f"accepted values are {shown}, or an engine.parallel.DDP(...), FSDP(...) "
+                "or DeepSpeedStrategy(...)"
+            )
         )
     if value == "single_device" and world > 1:
         raise ValueError(
@@ -139,6 +147,19 @@ def check_strategy(value: Any, processes: int, num_nodes: Any) -> int:
                 f"Trainer(strategy={value!r}): this platform cannot fork; use 'ddp' or 'ddp_spawn'"
             )
     return world
+
+
+def strategy_flags(strategy: Any, flags: Mapping[str, Any], world: int) -> dict[str, Any]:
+    """The Trainer flags a strategy object's own config sets (a DeepSpeed config's
+    ``precision``, ``gradient_clip_val``, ``accumulate_grad_batches``), checked against the
+    flags given (``flags``: the Trainer's keyword arguments; ``world``: devices x nodes)."""
+    if isinstance(strategy, str):
+        return {}
+    from engine.parallel.deepspeed import DeepSpeedStrategy
+
+    if not isinstance(strategy, DeepSpeedStrategy):
+        return {}
+    return strategy.resolve_flags(flags, world)
 
 
 def check_choices(**flags: Any) -> None:

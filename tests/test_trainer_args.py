@@ -58,7 +58,7 @@ _BOOL_FLAG = [0, 1, "yes", "False", 1.0]
 # flag -> values that must raise ValueError naming the flag
 BAD: dict[str, list[object]] = {
     "accelerator": [None, 1, True, "cpus", "CPU ", ["cpu"], "tpu", "hpu"],
-    "strategy": [None, 0, "single", ["auto"], "fsdp", "DDP"],
+    "strategy": [None, 0, "single", ["auto"], "dp", "fsdp2", "DDP"],
     "devices": [0, 1.0, True, "two", -2, [0.0], [True], (0.0,), [0, 1], "0,1", [1], [], [0, 0]],
     "num_nodes": [0, -1, 1.0, True, "1"],
     "precision": [32.0, "fp32", True, 0, "32-bit", 8, "16-MIXED", "bf16-Mixed", "transformer"],

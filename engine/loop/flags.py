@@ -97,13 +97,15 @@ def resolve(
     # -- flags with a fixed set of values (placement and scale-out: single-process CPU until
     # their own issues land; _config.CHOICES)
     cfg.check_choices(**{name: flags[name] for name in cfg.CHOICES})
-    plugged = cfg.check_plugins(plugins, precision, detect_anomaly)
-    precision_name = _precision(precision, plugged)
     here = resolve_devices(accelerator, devices)
     world = cfg.check_strategy(strategy, len(here), num_nodes)
+    # a strategy's own config (DeepSpeed's) may set precision, clipping and accumulation
+    flags.update(cfg.strategy_flags(strategy, flags, world))
+    plugged = cfg.check_plugins(plugins, flags["precision"], detect_anomaly)
+    precision_name = _precision(flags["precision"], plugged)
     device = here[_local_rank(len(here))] if world > 1 else here[0]
     cfg.check_compile(compile)
-    cfg.check_clip_val(gradient_clip_val)
+    cfg.check_clip_val(flags["gradient_clip_val"])
     cfg.check_loggers(logger)
     cfg.check_callbacks(callbacks)
     resolved = _loop_limits(flags)
@@ -125,7 +127,7 @@ def resolve(
         log_every_n_steps=log_every_n_steps if log_every_n_steps is not None else 50,
         # fast_dev_run is a smoke test: like its loggers and checkpoints, no journal
         enable_journal=enable_journal is not False and not (barebones or resolved["fast_dev_run"]),
-        gradient_clip_val=gradient_clip_val,
+        gradient_clip_val=flags["gradient_clip_val"],
         gradient_clip_algorithm=gradient_clip_algorithm or "norm",
         deterministic=deterministic,
         benchmark=benchmark,

@@ -3,13 +3,23 @@ that say who each process is, and the launchers that start them.
 
 * :class:`DDP`: data parallel (every rank holds the whole state; the gradients are averaged
   once per optimizer step). A :class:`~engine.transforms.Strategy`, composed like any transform.
+* :class:`DeepSpeedStrategy`: DeepSpeed's ZeRO stages and config run as their FSDP2
+  equivalents (Lightning's ``strategy="deepspeed_stage_*"`` names).
 * :class:`SyncBatchNorm` / :func:`convert_sync_batchnorm`: batch norm with the statistics of
   every rank's batch, on the CPU too (``DDP(sync_batchnorm=True)`` converts a model's).
 """
 
 from engine.parallel.ddp import DDP
+from engine.parallel.deepspeed import DeepSpeedStrategy
 from engine.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from engine.transforms.base import Strategy
 from engine.transforms.common import SingleProcess
 
-__all__ = ["DDP", "SingleProcess", "Strategy", "SyncBatchNorm", "convert_sync_batchnorm"]
+__all__ = [
+    "DDP",
+    "DeepSpeedStrategy",
+    "SingleProcess",
+    "Strategy",
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
+]
