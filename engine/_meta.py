@@ -23,6 +23,12 @@ separator, no ``..``, not absolute: a checkpoint names only its own files), and 
 version 5 ``sizes`` records each file's size in bytes, so that a file of another size is refused
 before it is hashed. Older versions have no ``sizes``: they still load, their files' names
 checked, their sizes not.
+
+Format version 6 is the sharded layout (``"layout": "sharded"``, written by every rank of a
+process group through ``torch.distributed.checkpoint``, see ``engine/_sharded.py``): its data
+files lie in the ``shards/`` subdirectory and are named ``shards/<plain name>``; it records the
+``world_size`` it was saved on and each tensor's global shape, dtype and placement
+(``tensors``). An ordinary checkpoint (one ``tensors.pt``) is still written as version 5.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from engine.errors import CheckpointError
 __all__: list[str] = []
 
 FORMAT_VERSION = 5  # 5: the size of each data file ("sizes")
+SHARDED_FORMAT_VERSION = 6  # 6: the sharded layout ("layout": "sharded"), shards/ files
+SHARDED, SHARDS = "sharded", "shards"  # the layout's name; the subdirectory of its data files
 CHECKSUM_KEY = "meta_checksum"
 _HASH = "xxh3-128"
 
@@ -115,10 +123,17 @@ def decode(raw: bytes, path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path}: 'format_version' must be an int >= 1 (got {version!r}); the file is damaged"
         )
-    if version > FORMAT_VERSION:
+    sharded = doc.get("layout") == SHARDED
+    newest = SHARDED_FORMAT_VERSION if sharded else FORMAT_VERSION
+    if version > newest:
         raise CheckpointError(
             f"{path}: format version {version} is newer than this engine reads "
-            f"({FORMAT_VERSION}); upgrade engine"
+            f"({newest}{' for a sharded checkpoint' if sharded else ''}); upgrade engine"
+        )
+    if sharded and version < SHARDED_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: 'layout' is 'sharded' in a format version {version} file (sharded "
+            f"checkpoints are version {SHARDED_FORMAT_VERSION}); the file is damaged or was edited"
         )
     try:
         meta = _decode_floats(doc)
@@ -138,8 +153,14 @@ def decode(raw: bytes, path: Path) -> dict[str, Any]:
                 f"{path}: {where!r} must be {expected} (got {_shown(meta, key, problem)}); the "
                 "file is damaged or was edited"
             )
+    main = f"{SHARDS}/.metadata" if sharded else "tensors.pt"
+    if main not in meta["files"]:
+        raise CheckpointError(
+            f"{path}: 'files' must name {main!r} (got {sorted(meta['files'])}); the file is "
+            "damaged or was edited"
+        )
     for name in meta["files"]:  # before anything opens them
-        if not plain_name(name):
+        if not (shard_name(name) if sharded else plain_name(name)):
             raise CheckpointError(not_plain(path, name))
     if "sizes" in meta and set(meta["sizes"]) != set(meta["files"]):
         raise CheckpointError(
@@ -216,9 +237,26 @@ def _trees(v: Any) -> Any:
 
 
 def _files(v: Any) -> Any:
-    if not isinstance(v, dict) or "tensors.pt" not in v:
+    if not isinstance(v, dict) or not v:
         return True
     return _dict_of(_of(str))(v)
+
+
+def _described(v: Any) -> Any:
+    """``tensors`` of a sharded checkpoint: ``{key: {"shape": [ints], "dtype": str,
+    "placements": [str] or null}}``."""
+    if not isinstance(v, dict):
+        return True
+    for k, d in v.items():
+        if not (
+            isinstance(d, dict)
+            and isinstance(d.get("shape"), list)
+            and all(_is_int(n) and n >= 0 for n in d["shape"])
+            and isinstance(d.get("dtype"), str)
+            and (d.get("placements") is None or isinstance(d.get("placements"), list))
+        ):
+            return f"[{json.dumps(k)}]"
+    return None
 
 
 def plain_name(name: Any) -> bool:
@@ -230,6 +268,14 @@ def plain_name(name: Any) -> bool:
         and not any(c in name for c in ("/", "\\", "\0"))
         and not os.path.isabs(name)
     )
+
+
+def shard_name(name: Any) -> bool:
+    """Whether ``name`` names a file of a sharded checkpoint: ``shards/<plain name>``."""
+    if not isinstance(name, str):
+        return False
+    head, sep, tail = name.partition("/")
+    return bool(sep) and head == SHARDS and plain_name(tail)
 
 
 def not_plain(path: Path, name: str) -> str:
@@ -259,7 +305,10 @@ _SCHEMA: dict[str, tuple[Check, str, int, bool]] = {
     "opt_state_scalars": (_dict_of(_SCALAR), "an object of numbers, strings and nulls", 1, True),
     "metrics": (_dict_of(_of(int, float)), "an object of numbers", 1, True),
     "extra": (_dict_of(None), "an object", 1, True),
-    "files": (_files, 'an object of checksum strings with "tensors.pt"', 1, True),
+    "files": (_files, "an object of checksum strings by file name", 1, True),
     "sizes": (_dict_of(_range(0)), "an object of file sizes (ints >= 0)", 5, True),
+    "layout": (lambda v: None if v == SHARDED else True, '"sharded"', 6, True),
+    "world_size": (_range(1), "an int >= 1", 6, True),
+    "tensors": (_described, "an object of tensor shapes, dtypes and placements", 6, True),
     CHECKSUM_KEY: (_of(str), "a checksum string", 4, True),
 }

@@ -157,6 +157,8 @@ class Checkpointer:
         state = run.state
         if self.world_size == 1 or state.grad_accum is None or self._rank_zero_alone:
             return run
+        if checkpoint._is_sharded(state):  # its grad_accum: DTensors, saved by every rank
+            return run
         return run._replace(rank_grad_accum=gather_to_rank_zero(state.grad_accum))
 
     def write(
@@ -169,8 +171,21 @@ class Checkpointer:
         weights_only: bool = False,
     ) -> Any:
         """The checkpoint of ``run`` and the listeners' states, written (after its event); on a
-        process that does not write (a rank other than 0), the path it would have, unwritten."""
-        if not self.writes:
+        process that does not write (a rank other than 0), the path it would have, unwritten.
+
+        A sharded state (``strategy="fsdp"``) is written by every rank together
+        (``checkpoint.save`` is a collective: each rank writes its shards, rank 0 the
+        ``meta.json``); a listener that runs on rank 0 alone cannot save one."""
+        sharded = checkpoint._is_sharded(run.state)
+        if sharded and self._rank_zero_alone:
+            raise checkpoint.CheckpointError(
+                f"the checkpoint {os.fspath(filepath)} was asked for by a listener that runs on "
+                "rank 0 alone (rank_zero_only), but the state is sharded over the ranks "
+                "(strategy='fsdp'): every rank must join its save. Save from a listener that "
+                "runs on every rank (ModelCheckpoint), or call trainer.save_checkpoint on "
+                "every rank"
+            )
+        if not self.writes and not sharded:
             if asynchronous:
                 done: Future[Path] = Future()
                 done.set_result(Path(filepath))

@@ -238,7 +238,7 @@ def _write(tensors: Mapping[str, Tensor], meta: Mapping[str, Any], target: Path)
             claim = held.enter_context(_Claim(target.parent))
         except OSError as e:  # no room for even its lock file
             raise _write_failed(target, e, "", existed) from e
-        tmp, old = claim.path(""), None
+        tmp = claim.path("")
         writer, writing = None, TENSORS
         try:
             tmp.mkdir()
@@ -260,24 +260,9 @@ def _write(tensors: Mapping[str, Tensor], meta: Mapping[str, Any], target: Path)
                 os.fsync(out.fileno())
             _fsync_dir(tmp)
             writing = ""
-            if target.exists():
-                # replace: move the old one aside first, under its own name, so that at every
-                # instant one complete checkpoint exists where clean_leftovers finds it (a crash
-                # between these two renames leaves it aside; clean_leftovers puts it back)
-                old = claim.path(_ASIDE)
-                old.mkdir()
-                os.replace(target, old / target.name)
-                os.replace(tmp, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, target)
-            _fsync_dir(target.parent)
+            _publish(claim, tmp, target)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if old is not None and (old / target.name).exists():
-                if not os.path.lexists(target):  # interrupted between the renames: put it back
-                    os.replace(old / target.name, target)
-                shutil.rmtree(old, ignore_errors=True)
             # torch.save reports a failed write as a RuntimeError of its own ("[enforce fail at
             # inline_container.cc] ... unexpected pos"): the OSError behind it says what failed
             cause = writer.error if isinstance(e, RuntimeError) and writer is not None else None
@@ -287,6 +272,31 @@ def _write(tensors: Mapping[str, Tensor], meta: Mapping[str, Any], target: Path)
                 raise _write_failed(target, cause, writing, existed) from cause
             raise
     return target
+
+
+def _publish(claim: _Claim, tmp: Path, target: Path) -> None:
+    """Rename the complete, fsynced checkpoint directory ``tmp`` to ``target`` (replacing a
+    checkpoint there) and make the rename durable; on failure ``target`` is as it was."""
+    old = None
+    try:
+        if target.exists():
+            # replace: move the old one aside first, under its own name, so that at every
+            # instant one complete checkpoint exists where clean_leftovers finds it (a crash
+            # between these two renames leaves it aside; clean_leftovers puts it back)
+            old = claim.path(_ASIDE)
+            old.mkdir()
+            os.replace(target, old / target.name)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        if old is not None and (old / target.name).exists():
+            if not os.path.lexists(target):  # interrupted between the renames: put it back
+                os.replace(old / target.name, target)
+            shutil.rmtree(old, ignore_errors=True)
+        raise
 
 
 def _write_failed(target: Path, error: OSError, writing: str, existed: bool) -> CheckpointError:
@@ -374,6 +384,14 @@ def save(
             own micro-batches summed before the step's all-reduce. ``load(path, template,
             rank=r)`` gives rank ``r`` its own, so every rank continues its window bitwise.
 
+    A sharded state (any DTensor, ``strategy="fsdp"``) is saved by every rank of the process
+    group together: call ``save`` on every rank with the same ``path`` (a collective). Each
+    rank writes its own shards through ``torch.distributed.checkpoint`` into one temporary
+    directory, and rank 0 writes ``meta.json`` (its ``metrics`` and ``extra``) last and renames
+    the whole into place; a failure on any rank fails the save on every rank, and a rank killed
+    meanwhile leaves nothing under ``path`` (see docs/checkpoints.md, "Sharded checkpoints").
+    ``fingerprint=True`` records the fingerprint of the full (gathered) values.
+
     Returns:
         The checkpoint's path.
 
@@ -396,6 +414,18 @@ def save(
     """
     _is_state(state, path, "save")
     state.check_alive("checkpoint.save()")
+    if _is_sharded(state):  # a collective: every rank writes its shards (engine/_sharded.py)
+        from engine import _sharded
+
+        return _sharded.save(
+            state,
+            Path(path),
+            metrics=metrics,
+            extra=extra,
+            fingerprint=fingerprint,
+            weights_only=weights_only,
+            rank_grad_accum=rank_grad_accum,
+        )
     _replaceable(Path(path))
     tensors, scalars = _flatten(state, weights_only, rank_grad_accum)
     meta = _describe(state, scalars, metrics, extra, fingerprint, weights_only)
@@ -475,6 +505,11 @@ def save_async(
     hashed from the snapshot on the writer thread, so it does not block the caller either;
     ``weights_only`` and ``rank_grad_accum`` are :func:`save`'s.
 
+    A sharded state (DTensors: ``strategy="fsdp"``) is saved synchronously, as :func:`save`
+    does it (a collective: every rank calls it), and the future returned is already done:
+    ``torch.distributed.checkpoint.async_save`` would run the write's collectives on a thread
+    beside the training's own, which needs a process group of its own for the checkpoint.
+
     Example:
         >>> import tempfile, torch
         >>> import engine as eg
@@ -487,6 +522,23 @@ def save_async(
     """
     _is_state(state, path, "save_async")
     state.check_alive("checkpoint.save_async()")
+    if _is_sharded(state):  # synchronous, see above: a future already done
+        done: Future[Path] = Future()
+        try:
+            done.set_result(
+                save(
+                    state,
+                    path,
+                    metrics=metrics,
+                    extra=extra,
+                    fingerprint=fingerprint,
+                    weights_only=weights_only,
+                    rank_grad_accum=rank_grad_accum,
+                )
+            )
+        except CheckpointError as e:
+            done.set_exception(e)
+        return done
     tensors, scalars = _flatten(state, weights_only, rank_grad_accum)
     try:
         _replaceable(Path(path))  # here, so that the caller hears of it at once
@@ -1015,6 +1067,10 @@ def load(path: str | os.PathLike[str], template: TrainState, *, rank: int = 0) -
         raise ValueError(f"load(rank={rank!r}): pass the rank, an int >= 0")
     root = Path(path)
     meta = read_meta(root)
+    if meta.get("layout") == _meta.SHARDED:  # torch.distributed.checkpoint's files
+        from engine import _sharded
+
+        return _assemble(root, meta, template, _sharded.read(root, meta, template), 0)
     mine = "grad_accum" if rank == 0 else f"{_RANK_GRADS}{rank}"
     device_of = {k: v.device for k, v in {**template.params, **template.buffers}.items()}
     devices = {
@@ -1025,6 +1081,38 @@ def load(path: str | os.PathLike[str], template: TrainState, *, rank: int = 0) -
         _tree.to_json(getattr(template, name), name, shaped)
         devices.update((k, t.device) for k, t in shaped.items())
     tensors = _verified_tensors(root, meta, devices)
+    if _is_sharded(template):  # a full checkpoint resumed sharded: each rank takes its shards
+        from engine import _sharded
+
+        tensors = _sharded.placed_like(template, tensors)
+    return _assemble(root, meta, template, tensors, rank)
+
+
+def _is_sharded(state: TrainState) -> bool:
+    """Whether ``state`` holds a DTensor (a sharded state: saved by every rank together)."""
+    if "torch.distributed.tensor" not in sys.modules:  # nothing made a DTensor in this process
+        return False
+    from engine import _sharded
+
+    return _sharded.is_sharded(state)
+
+
+def _assemble(
+    root: Path,
+    meta: Mapping[str, Any],
+    template: TrainState,
+    tensors: Mapping[str, Tensor],
+    rank: int,
+) -> TrainState:
+    """The state that ``tensors`` (by checkpoint key, verified) and ``meta`` describe, shaped
+    like ``template``; ``rank``'s partial gradient sum as its ``grad_accum``."""
+    mine = "grad_accum" if rank == 0 else f"{_RANK_GRADS}{rank}"
+    device_of = {k: v.device for k, v in {**template.params, **template.buffers}.items()}
+    devices: dict[str, Any] = {}
+    for name in _TREES:
+        shaped: dict[str, Tensor] = {}
+        _tree.to_json(getattr(template, name), name, shaped)
+        devices.update((k, t.device) for k, t in shaped.items())
     groups: dict[str, dict[str, Tensor]] = {"params": {}, "buffers": {}, "grad_accum": {}}
     opt: dict[str, Any] = dict(meta.get("opt_state_scalars", {}))
     in_trees: dict[str, Tensor] = {}
@@ -1190,8 +1278,15 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
     info["hparams"] = _hparams_of(meta)
     info["size_bytes"] = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
+    sharded = meta.get("layout") == _meta.SHARDED
+    info["layout"] = _meta.SHARDED if sharded else "full"
+    info["world_size"] = meta.get("world_size", 1)
+    info["tensors"] = meta.get("tensors") if sharded else None
+    if sharded and (root / _meta.SHARDS).is_dir():
+        shards = root / _meta.SHARDS
+        info["size_bytes"] += sum(f.stat().st_size for f in shards.iterdir() if f.is_file())
     try:
-        _verified_tensors(root, meta, materialize=False)
+        _verify_files(root, meta)
         info["verified"], info["problem"] = True, None
     except CheckpointError as e:
         info["verified"], info["problem"] = False, str(e)
@@ -1220,7 +1315,16 @@ def verify(path: str | os.PathLike[str]) -> None:
         engine.errors.CheckpointError: .../tensors.pt: 7 bytes, where meta.json records ...
     """
     root = Path(path)
-    _verified_tensors(root, read_meta(root), materialize=False)
+    _verify_files(root, read_meta(root))
+
+
+def _verify_files(root: Path, meta: Mapping[str, Any]) -> None:
+    if meta.get("layout") == _meta.SHARDED:
+        from engine import _sharded
+
+        _sharded.verify(root, meta)
+    else:
+        _verified_tensors(root, meta, materialize=False)
 
 
 # --------------------------------------------------------------------------- weights for
@@ -1246,6 +1350,10 @@ def _verified_weights(
     optimizer state and the rest of ``tensors.pt`` are hashed but never copied out of the file.
     ``devices``: by ``params/<name>`` / ``buffers/<name>`` key, where each tensor goes. With
     ``materialize=False`` they are views of the mapped file (verified: copy out of them)."""
+    if meta.get("layout") == _meta.SHARDED:  # gathered from the shards, on this process
+        from engine import _sharded
+
+        return _sharded.read_weights(root, meta, devices or {})
     mapped = _verified_tensors(root, meta, materialize=False)
     picked = {k: t for k, t in mapped.items() if k.partition("/")[0] in ("params", "buffers")}
     del mapped  # the rest of the file is never copied

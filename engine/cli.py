@@ -114,6 +114,17 @@ def _inspect(args: argparse.Namespace) -> int:
             f"format          v{info['format_version']} (engine {info['engine_version']}, "
             f"torch {info['torch_version']})"
         )
+        if info.get("layout") == "sharded":
+            tensors = info.get("tensors") or {}
+            print(
+                f"layout          sharded over {info['world_size']} ranks "
+                f"(torch.distributed.checkpoint), {len(tensors)} tensors"
+            )
+            for key, d in sorted(tensors.items()):
+                if key.startswith("params/"):
+                    dims = "x".join(map(str, d["shape"])) or "scalar"
+                    placed = ", ".join(d["placements"] or ["the same on every rank"])
+                    print(f"parameter       {key[7:]} {dims} {d['dtype']} ({placed})")
         for k, v in sorted((info["metrics"] or {}).items()):
             print(f"metric          {k} = {v}")
         if info["fingerprint"]:

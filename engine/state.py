@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,7 +52,40 @@ _CONSUMED_MSG = (
 )
 
 
+def _refuse_wrapped(module: nn.Module) -> None:
+    """A module under torch's data-parallel or sharding wrappers trains wrongly here: its
+    wrapper gathers and reduces around its own parameters, which a step never reads (FSDP2's
+    ``fully_shard`` would overwrite the slots the step binds, and the step would train on zero
+    gradients). Name the wrapper and say what to pass instead."""
+    wrappers: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    sharded: tuple[type, ...] = ()
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.tensor import DTensor
+
+        wrappers = (*wrappers, FullyShardedDataParallel, FSDPModule)
+        sharded = (DTensor,)
+    for name, sub in module.named_modules():
+        if isinstance(sub, wrappers):
+            where = f"its submodule {name!r} is" if name else "it is"
+            kind = "fully_shard (FSDP2)" if "FSDP" in type(sub).__name__ else type(sub).__name__
+            raise TypeError(
+                f"the module passed to TrainState.create / task.init is wrapped: {where} a "
+                f"{kind} module. Pass the plain module and choose a strategy instead "
+                "(Trainer(strategy='ddp' or 'fsdp'), or engine.parallel.DDP() / FSDP() in "
+                "transforms.compose): the strategy shards and reduces the state itself"
+            )
+    for name, p in module.named_parameters():
+        if isinstance(p, sharded):
+            raise TypeError(
+                f"the module's parameter {name!r} is already a DTensor (sharded by "
+                "fully_shard or a tensor-parallel plan): pass the plain module and choose "
+                "strategy='fsdp', which shards the state itself"
+            )
+
+
 def _params_from_module(module: nn.Module) -> tuple[Params, Params]:
+    _refuse_wrapped(module)
     # detach() shares storage: the state borrows the module's tensors, it does not copy them.
     # Frozen parameters (requires_grad=False) are not trained, so they travel with the buffers.
     params, buffers = {}, {}
@@ -227,6 +261,11 @@ class TrainState:
         Two states have equal fingerprints exactly when those hold bitwise-identical values
         (same names, shapes, dtypes and bytes). Replay compares fingerprints to verify a run.
 
+        A sharded state (DTensor leaves, ``strategy="fsdp"``) has the fingerprint of the same
+        values unsharded: each DTensor's full value is gathered (``full_tensor()``) and hashed.
+        That gather is a collective: call ``fingerprint()`` on every rank of the process
+        group, in the same order (each rank gets the same digest).
+
         Args:
             algorithm: ``"xxh3_128"`` (32 hex digits; about 20 times faster than SHA-256, so a
                 checkpoint-sized state costs milliseconds), or ``"sha256"`` (64 hex digits: what
@@ -267,8 +306,13 @@ class TrainState:
         return sum(p.numel() for p in self.params.values())
 
     def load_into(self, module: nn.Module) -> nn.Module:
-        """Copy params and buffers into ``module`` (strict) and return it, e.g. for export."""
-        module.load_state_dict({**self.params, **self.buffers}, strict=True)
+        """Copy params and buffers into ``module`` (strict) and return it, e.g. for export.
+
+        A sharded state's DTensors are gathered first (a collective: call it on every rank).
+        """
+        module.load_state_dict(
+            {k: _full(t.detach()) for k, t in {**self.params, **self.buffers}.items()}, strict=True
+        )
         return module
 
     def __repr__(self) -> str:
@@ -301,9 +345,19 @@ _FINGERPRINTS: dict[str, Callable[[], Any]] = {
 }
 
 
+def _full(t: Tensor) -> Tensor:
+    """A DTensor's full value (a collective: gathered from every rank); a tensor itself."""
+    if type(t) is not Tensor and "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            return t.full_tensor()
+    return t
+
+
 def _hash_leaf(h: Any, leaf: Any) -> None:
     if isinstance(leaf, Tensor):
-        t = leaf.detach()
+        t = _full(leaf.detach())
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         if t.numel():
             t = t.to("cpu").contiguous()

@@ -1,0 +1,447 @@
+"""Sharded checkpoints (private): a TrainState whose tensors are DTensors, written by every rank
+through ``torch.distributed.checkpoint`` (DCP) with the guarantees of ``engine.checkpoint``.
+
+The layout (format version 6)::
+
+    step=000120/
+        meta.json          as for a full checkpoint, with "layout": "sharded", "world_size",
+                           each tensor's global shape, dtype and placement ("tensors"), and a
+                           checksum and size for every file under shards/
+        shards/.metadata   DCP's index of the shards (which chunk of which tensor is where)
+        shards/__0_0.distcp, __1_0.distcp, ...   each rank's shards (DCP's files)
+
+A save is a collective: every rank flattens the state as ``tensors.pt`` would hold it (the same
+keys: ``params/<name>``, ``opt_state/<path>``, ...), the ranks agree that they can, rank 0
+claims a temporary directory beside the target and broadcasts its name, every rank writes its
+shards there (``dcp.save``: files fsynced), the ranks agree that they all did, and rank 0
+hashes the files, writes ``meta.json`` last, fsyncs and renames the directory into place, then
+tells every rank how that ended. A failure on any rank fails the save on every rank; a rank
+killed at any moment leaves no name behind (its peers' collectives fail, rank 0 removes the
+temporary directory, or :func:`engine.checkpoint.clean_leftovers` does once rank 0 is gone).
+
+Loading needs no process group: every file's checksum is verified first, DCP's ``.metadata``
+is read by an unpickler that builds DCP's metadata classes and nothing else (no code runs from
+a file), and ``dcp.load(no_dist=True)`` reads into the template's tensors: DTensors (on any
+world size and mesh: DCP reads the chunks each rank's shard overlaps) or plain full tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import shutil
+import stat
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils import _pytree as pytree
+
+from engine import _meta
+from engine import checkpoint as ckpt
+from engine._checksum import _checksum, _start_checksum
+from engine._meta import SHARDED, SHARDS
+from engine.errors import CheckpointError
+from engine.optim.base import state_dict as opt_state_dict
+from engine.state import TrainState
+
+__all__: list[str] = []
+
+_INDEX = ".metadata"  # DCP's index file, in shards/
+
+
+def is_sharded(state: TrainState) -> bool:
+    """Whether any tensor of ``state`` is a DTensor (parameters, gradients, optimizer state)."""
+    groups = (state.params, state.buffers, state.grad_accum or {})
+    if any(isinstance(t, DTensor) for g in groups for t in g.values()):
+        return True
+    return any(isinstance(x, DTensor) for x in pytree.tree_leaves(state.opt_state))
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def _describe_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Any]:
+    """Each tensor's global shape, dtype and placements (``None``: a plain tensor, the same on
+    every rank)."""
+    out = {}
+    for key, t in tensors.items():
+        placements = [repr(p) for p in t.placements] if isinstance(t, DTensor) else None
+        out[key] = {
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "placements": placements,
+        }
+    return out
+
+
+def _agree(error: BaseException | None, target: Path, stage: str) -> None:
+    """Every rank's outcome of ``stage``, exchanged (a collective): raise on every rank if it
+    failed on any, naming the ranks and their errors; this rank's own error first."""
+    world = dist.get_world_size()
+    told: list[Any] = [None] * world
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    _exchange(dist.all_gather_object, target, stage, told, mine)
+    failed = [(r, m) for r, m in enumerate(told) if m is not None]
+    if error is not None:
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(
+            f"the sharded save of {target} failed on rank {dist.get_rank()} {stage}: {mine}; "
+            "nothing was written under its name"
+        ) from error
+    if failed:
+        said = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        raise CheckpointError(
+            f"the sharded save of {target} failed {stage} on another rank ({said}); every "
+            "rank stops the save and nothing was written under its name"
+        )
+
+
+def _exchange(collective: Any, target: Path, stage: str, *args: Any, **kwargs: Any) -> None:
+    """``collective(*args, **kwargs)``; a rank that died or left (its connection closed) fails
+    the save here, with a ``CheckpointError``, instead of a backend's ``RuntimeError``."""
+    try:
+        collective(*args, **kwargs)
+    except Exception as e:
+        raise CheckpointError(
+            f"the sharded save of {target} failed {stage}: another rank stopped answering "
+            f"(it died or left the save: {type(e).__name__}: {e}); nothing was written under "
+            "its name. Every rank must call checkpoint.save with the same path"
+        ) from e
+
+
+def save(
+    state: TrainState,
+    target: Path,
+    *,
+    metrics: Mapping[str, float] | None,
+    extra: Mapping[str, Any] | None,
+    fingerprint: bool,
+    weights_only: bool,
+    rank_grad_accum: Sequence[Mapping[str, Tensor]],
+) -> Path:
+    """:func:`engine.checkpoint.save` of a sharded state: a collective (see the module)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CheckpointError(
+            f"checkpoint.save({str(target)!r}): the state is sharded (DTensors) but no process "
+            "group is initialized; a sharded state is saved by every rank of its process group "
+            "together. Save from inside the run (every rank calls checkpoint.save)"
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem: BaseException | None = None
+    tensors: dict[str, Tensor] = {}
+    meta: dict[str, Any] = {}
+    try:
+        if rank_grad_accum:
+            raise CheckpointError(
+                "rank_grad_accum= is for a replicated (data-parallel) state; a sharded state's "
+                "accumulated gradients are DTensors, saved as its grad_accum"
+            )
+        ckpt._replaceable(target)  # every rank: a refusal is agreed on below
+        tensors, scalars = ckpt._flatten(state, weights_only)
+        if rank == 0:
+            meta = ckpt._describe(state, scalars, metrics, extra, False, weights_only)
+    except BaseException as e:
+        problem = e
+    _agree(problem, target, "before writing")
+    if fingerprint and not weights_only:  # of the full values: a collective, every rank
+        found: list[str] = []
+        _exchange(lambda: found.append(state.fingerprint()), target, "fingerprinting")
+        meta["fingerprint"] = found[0]
+    meta.update(
+        format_version=_meta.SHARDED_FORMAT_VERSION,
+        layout=SHARDED,
+        world_size=world,
+        tensors=_describe_tensors(tensors),
+        # the accumulated gradients are DTensors: every rank's share of the window is in them
+        grad_accum_ranks=0 if weights_only or state.grad_accum is None else world,
+    )
+    claim = None
+    tmp: Path | None = None
+    try:
+        problem, name = None, None
+        if rank == 0:
+            try:
+                claim = ckpt._Claim(target.parent).__enter__()
+                tmp = claim.path("")
+                (tmp / SHARDS).mkdir(parents=True)
+                name = os.fspath(tmp)
+            except BaseException as e:
+                problem = e
+        names: list[Any] = [name]
+        _exchange(dist.broadcast_object_list, target, "creating its temporary directory", names)
+        _agree(problem, target, "creating its temporary directory")
+        shards = Path(names[0]) / SHARDS
+        problem = None
+        try:
+            writer = dcp.FileSystemWriter(shards, sync_files=True, overwrite=False)
+            dcp.save(tensors, storage_writer=writer)
+        except BaseException as e:
+            problem = e
+        _agree(problem, target, "writing its shards")
+        outcome: list[Any] = [None]
+        if rank == 0:
+            assert tmp is not None and claim is not None
+            try:
+                _commit(meta, tmp, target, claim)
+            except BaseException as e:
+                outcome = [f"{type(e).__name__}: {e}"]
+                with contextlib.suppress(Exception):  # a peer gone meanwhile: this error first
+                    dist.broadcast_object_list(outcome, src=0)
+                raise _failed(target, e) from e
+            # the checkpoint is in place: a peer gone by now does not undo it
+            with contextlib.suppress(Exception):
+                dist.broadcast_object_list(outcome, src=0)
+        else:
+            _exchange(dist.broadcast_object_list, target, "renaming it into place", outcome)
+            if outcome[0] is not None:
+                raise CheckpointError(
+                    f"the sharded save of {target} failed on rank 0 while writing meta.json "
+                    f"and renaming it into place: {outcome[0]}"
+                )
+        return target
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already if it was renamed
+        if claim is not None:
+            claim.__exit__(None, None, None)
+
+
+def _failed(target: Path, e: BaseException) -> CheckpointError:
+    if isinstance(e, CheckpointError):
+        return e
+    if isinstance(e, OSError):
+        return ckpt._write_failed(target, e, ckpt.META, (target / ckpt.META).is_file())
+    return CheckpointError(f"the sharded save of {target} failed on rank 0: {e}")
+
+
+def _commit(meta: dict[str, Any], tmp: Path, target: Path, claim: Any) -> None:
+    """Rank 0: hash the shards, write ``meta.json`` last, make it durable, rename it into
+    place."""
+    shards = tmp / SHARDS
+    ckpt._fsync_dir(shards)
+    names = sorted(p.name for p in shards.iterdir())
+    files, sizes = {}, {}
+    for n in names:
+        files[f"{SHARDS}/{n}"] = _checksum(shards / n)
+        sizes[f"{SHARDS}/{n}"] = os.path.getsize(shards / n)
+    with open(tmp / ckpt.META, "wb") as out:
+        out.write(_meta.encode({**meta, "files": files, "sizes": sizes}))
+        out.flush()
+        os.fsync(out.fileno())
+    ckpt._fsync_dir(tmp)
+    ckpt._publish(claim, tmp, target)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def verify(root: Path, meta: Mapping[str, Any]) -> None:
+    """Check every file of the sharded checkpoint at ``root``: a name under ``shards/``, a
+    regular file of the size recorded, its checksum; and that DCP's index reads safely."""
+    files = dict(meta["files"])
+    sizes = meta.get("sizes") or {}
+    inside = os.path.realpath(root / SHARDS)
+    for name in files:
+        if not _meta.shard_name(name):
+            raise CheckpointError(_meta.not_plain(root / ckpt.META, name))
+        file = root / name
+        try:
+            st = os.lstat(file)
+        except FileNotFoundError:
+            raise CheckpointError(f"{file}: missing (the checkpoint is incomplete)") from None
+        except OSError as e:
+            raise CheckpointError(f"{file}: cannot be read ({e.strerror or e})") from e
+        if stat.S_ISLNK(st.st_mode) or os.path.dirname(os.path.realpath(file)) != inside:
+            raise CheckpointError(
+                f"{file}: a symbolic link or outside {root / SHARDS}; a checkpoint reads only "
+                "files of its own: refused"
+            )
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{file}: not a regular file; the checkpoint is damaged")
+        if name in sizes and st.st_size != sizes[name]:
+            raise CheckpointError(
+                f"{file}: {st.st_size} bytes, where meta.json records {sizes[name]}; the file is "
+                "truncated, damaged or was replaced (refused before reading it)"
+            )
+    try:
+        digests = {name: _start_checksum(root / name, d) for name, d in files.items()}
+        for name, expected in files.items():
+            actual = digests[name]()
+            if actual != expected:
+                raise CheckpointError(
+                    f"{root / name}: checksum check failed ({expected.rpartition(':')[0]} "
+                    f"expected {ckpt._short(expected)}..., got {ckpt._short(actual)}...); the "
+                    "file is truncated or damaged"
+                )
+    except OSError as e:
+        raise CheckpointError(f"{e.filename or root}: cannot be read ({e.strerror or e})") from e
+    extra = sorted(p.name for p in (root / SHARDS).iterdir() if f"{SHARDS}/{p.name}" not in files)
+    if extra:
+        raise CheckpointError(
+            f"{root / SHARDS}: holds files meta.json does not name ({extra}); the checkpoint "
+            "was edited: refused"
+        )
+    _index(root)
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes, ``torch.Size``, dtypes, layouts and paths; anything else
+    in ``.metadata`` is refused, so no code from a file runs (its bytes are verified first)."""
+
+    _CLASSES: ClassVar[dict[str, set[str]]] = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+        "pathlib._local": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+        "collections": {"OrderedDict"},
+        "torch": {"Size"},
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self._CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+
+
+def _index(root: Path) -> Any:
+    """DCP's ``shards/.metadata``, read safely (see :class:`_IndexUnpickler`)."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    path = root / SHARDS / _INDEX
+    try:
+        index = _IndexUnpickler(io.BytesIO(path.read_bytes())).load()
+    except Exception as e:
+        raise CheckpointError(
+            f"{path}: refused: {e}. engine reads only DCP's tensor metadata from it and never "
+            "runs code from a file"
+        ) from e
+    if not isinstance(index, Metadata) or not all(
+        isinstance(m, TensorStorageMetadata) for m in index.state_dict_metadata.values()
+    ):
+        raise CheckpointError(f"{path}: not an index of tensors written by engine; refused")
+    return index
+
+
+def _reader(root: Path) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    class Reader(dcp.FileSystemReader):  # DCP's, its index read by _IndexUnpickler
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            index = _index(root)
+            if getattr(index, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                index.storage_meta = StorageMeta()
+            index.storage_meta.load_id = self.load_id
+            return index
+
+    return Reader(root / SHARDS)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"meta.json names an unknown dtype {name!r}; upgrade torch?")
+    return dtype
+
+
+def _read_into(root: Path, targets: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``dcp.load`` of the verified shards into ``targets`` (no process group, no
+    collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not targets:
+        return targets
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process": what is asked for
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(targets, storage_reader=_reader(root), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{root / SHARDS}: the shards could not be read: {e}") from e
+    return targets
+
+
+def _like(ref: Tensor | None, described: Mapping[str, Any], device: Any = None) -> Tensor:
+    """An empty tensor for a checkpoint entry: like the template's ``ref`` (a DTensor keeps its
+    mesh and placements) where its shape and dtype are the checkpoint's, else a plain one of
+    the checkpoint's shape and dtype (a mismatch is then named by the fit checks)."""
+    shape, dtype = torch.Size(described["shape"]), _dtype(described["dtype"])
+    if ref is not None and ref.shape == shape and ref.dtype == dtype:
+        return torch.empty_like(ref.detach(), requires_grad=False)
+    return torch.empty(shape, dtype=dtype, device=device if device is not None else "cpu")
+
+
+def _template_leaves(template: TrainState) -> dict[str, Tensor]:
+    """The template's tensor for each checkpoint key it has one for."""
+    refs: dict[str, Tensor] = {}
+    for k, t in template.params.items():
+        refs[f"params/{k}"] = t
+        refs[f"grad_accum/{k}"] = (template.grad_accum or {}).get(k, t)
+    refs.update((f"buffers/{k}", t) for k, t in template.buffers.items())
+    for k, v in opt_state_dict(template.opt_state).items():
+        if isinstance(v, Tensor):
+            refs[f"opt_state/{k}"] = v
+    return refs
+
+
+def read(root: Path, meta: Mapping[str, Any], template: TrainState) -> dict[str, Tensor]:
+    """The sharded checkpoint's tensors by key, verified, each read into a tensor like the
+    template's (its DTensor's shards, or the full value) — for ``checkpoint.load``."""
+    verify(root, meta)
+    refs = _template_leaves(template)
+    targets = {k: _like(refs.get(k), d) for k, d in meta["tensors"].items()}
+    return _read_into(root, targets)
+
+
+def read_weights(
+    root: Path, meta: Mapping[str, Any], devices: Mapping[str, Any]
+) -> dict[str, Tensor]:
+    """The parameters and buffers of the sharded checkpoint, gathered in full on this process
+    (by name), verified first — for ``load_weights`` and ``export``."""
+    verify(root, meta)
+    targets = {
+        k: _like(None, d, devices.get(k))
+        for k, d in meta["tensors"].items()
+        if k.partition("/")[0] in ("params", "buffers")
+    }
+    return {k.partition("/")[2]: t for k, t in _read_into(root, targets).items()}
+
+
+def placed_like(template: TrainState, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors`` (full values, by checkpoint key) with each one whose template tensor is a
+    DTensor sharded like it, locally: every rank read the same file, so no communication."""
+    refs = _template_leaves(template)
+    out = dict(tensors)
+    for k, t in tensors.items():
+        ref = refs.get(k)
+        if isinstance(ref, DTensor) and not isinstance(t, DTensor) and t.shape == ref.shape:
+            out[k] = distribute_tensor(
+                t.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None
+            )
+    return out
