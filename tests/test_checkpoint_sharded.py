@@ -14,8 +14,8 @@ import json
 import os
 import signal
 import subprocess
-import textwrap
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
