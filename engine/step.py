@@ -281,7 +281,12 @@ class _Compiled:
             # stride before each call, which Dynamo's guards already did (~30 us a step on the
             # tiny benchmark MLP); on CPU its C++ wrapper saves another ~10 us and compiles no
             # slower than the Python one.
-            on_cpu = all(t.device.type == "cpu" for t in params.values())
+            # A tensor subclass (a sharded DTensor) brings collectives into the graph, whose
+            # arguments the C++ wrapper does not take.
+            on_cpu = all(
+                t.device.type == "cpu" and type(t) in (Tensor, nn.Parameter)
+                for t in params.values()
+            )
             options["options"] = {"size_asserts": False, "cpp_wrapper": on_cpu}
         return torch.compile(bound, **options)
 

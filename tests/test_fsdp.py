@@ -204,3 +204,46 @@ def test_options_are_checked():
         FSDP(bucket_cap_mb=10)
     assert FSDP().sharding_strategy == "FULL_SHARD" and FSDP().reshard_after_forward
     assert not dist.is_initialized()
+
+
+def test_compile_is_refused_saying_why():
+    with pytest.raises(ValueError, match=r"compile=False under FSDP"):
+        transforms.compose(strategy=FSDP(), compile=True)
+
+
+def _wrapped(rank: int, how: str) -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    if how == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    elif how == "fully_shard":
+        fully_shard(model)
+    elif how == "fully_shard_inner":
+        fully_shard(model[1])
+    task = eg.Task(_loss, optim.sgd(0.1))
+    try:
+        task.init(model, seed=0)
+    except TypeError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [
+        ("ddp", "it is a DistributedDataParallel module"),
+        ("fully_shard", "it is a fully_shard (FSDP2) module"),
+        ("fully_shard_inner", "its submodule '1' is a fully_shard (FSDP2) module"),
+    ],
+)
+def test_a_wrapped_module_is_refused_with_what_to_pass(how, named):
+    (message,) = run_ranks(_wrapped, 1, how, timeout=60)
+    assert named in message and "Pass the plain module and choose a strategy" in message
+
+
+def test_a_plain_module_and_data_parallel():
+    with pytest.raises(TypeError, match="it is a DataParallel module"):
+        eg.TrainState.create(nn.DataParallel(nn.Linear(2, 2)), optim.sgd(0.1))
+    assert eg.TrainState.create(nn.Linear(2, 2), optim.sgd(0.1)).step == 0

@@ -25,9 +25,11 @@ replicated) over a one-dimensional device mesh of the ``W`` ranks. What a step d
   optimizer step, before the precision's finite check and the clip: the optimizer then updates
   each rank's shard in place. Clipping's global norm is a DTensor reduction over every shard.
 
-Under ``torch.compile`` the gathers are traced into the graph with every parameter gathered at
-the start of the forward (units are an eager notion), and Inductor's C++ wrapper, which does not
-take the all-gather, is not used.
+``compile=True`` is refused for now (:attr:`FSDP.not_compilable` says why): traced, the gathers
+and the reduce-scatter are right (the gradients match the eager step's bitwise), but the
+compiled in-place update of DTensor parameters and optimizer state is not. ``bind`` already
+gathers every parameter at the start of a traced forward, and Inductor's C++ wrapper, which does
+not take the all-gather, is off for such graphs.
 
 Launch, the loaders' sharding, the driver's collectives and the metrics' sync are
 :class:`~engine.parallel.DDP`'s.
@@ -100,6 +102,12 @@ class FSDP(DDP):
         ...
         ValueError: FSDP(sharding_strategy='NO_SHARD') shards nothing: use strategy='ddp' ...
     """
+
+    not_compilable = (
+        "a compiled step does not yet update sharded (DTensor) parameters and optimizer "
+        "state in place correctly (with AdamW one step moved the parameters twice as far as "
+        "the eager step); train with compile=False under FSDP"
+    )
 
     def __init__(
         self,

@@ -153,6 +153,10 @@ class Strategy(Transform):
         (1, True, (False, True))
     """
 
+    #: why this strategy's steps cannot be compiled (``None``: they can); ``compose`` refuses
+    #: ``compile=True`` with it, saying so
+    not_compilable: str | None = None
+
     @property
     def world_size(self) -> int:
         """The number of processes."""

@@ -118,6 +118,8 @@ def compose(
     for t in stages:
         if t is not None and not isinstance(t, Transform):
             raise TypeError(f"compose(): {t!r} is not an engine.transforms.Transform")
+    if stages[-1] is not None and strategy is not None and strategy.not_compilable:
+        raise ValueError(f"compose(compile=...) with {strategy!r}: {strategy.not_compilable}")
     return Pipeline(tuple(t for t in stages if t is not None), accumulate)
 
 
