@@ -261,6 +261,29 @@ def test_a_full_checkpoint_loads_onto_two_ranks_sharded_like_the_template(tmp_pa
     )
 
 
+def _save_on(rank: int, path: str, world: int) -> None:
+    mesh = _init(world)
+    checkpoint.save(_shard(_full_state(), mesh), path)
+
+
+def _load_on(rank: int, path: str, world: int) -> dict:
+    mesh = _init(world)
+    back = checkpoint.load(path, _shard(_full_state(seed=6), mesh))
+    rows = tuple(back.params["0.weight"].to_local().shape)
+    return {"full": _plain(back), "rows": rows, "world": checkpoint.read_meta(path)["world_size"]}
+
+
+@pytest.mark.parametrize(("saved_on", "loaded_on"), [(1, 2), (2, 1)])
+def test_a_sharded_checkpoint_reshards_onto_another_world_size(tmp_path, saved_on, loaded_on):
+    path = str(tmp_path / "c")
+    run_ranks(_save_on, saved_on, path, saved_on, timeout=TIMEOUT)
+    results = run_ranks(_load_on, loaded_on, path, loaded_on, timeout=TIMEOUT)
+    for r in results:
+        _bitwise(r["full"], _plain(_full_state()))
+        assert r["world"] == saved_on
+    assert [r["rows"] for r in results] == ([(3, 3), (2, 3)] if loaded_on == 2 else [(5, 3)])
+
+
 # --------------------------------------------------------------------------- hostile
 
 
