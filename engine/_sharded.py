@@ -154,6 +154,15 @@ def save(
     except BaseException as e:
         problem = e
     _agree(problem, target, "before writing")
+    paths: list[Any] = [None] * world  # one checkpoint: every rank must name the same path
+    _exchange(dist.all_gather_object, target, "before writing", paths, os.path.abspath(target))
+    if len(set(paths)) > 1:
+        raise CheckpointError(
+            f"checkpoint.save of a sharded state: the ranks name different paths "
+            f"({', '.join(f'rank {r}: {p}' for r, p in enumerate(paths))}); every rank writes "
+            "its shards into one checkpoint: call checkpoint.save with the same path on every "
+            "rank"
+        )
     if fingerprint and not weights_only:  # of the full values: a collective, every rank
         found: list[str] = []
         _exchange(lambda: found.append(state.fingerprint()), target, "fingerprinting")

@@ -184,6 +184,13 @@ def _saved(tmp_path: Path) -> Path:
 def _save_only(rank: int, path: str) -> None:
     mesh = _init()
     checkpoint.save(_shard(_full_state(), mesh), path, fingerprint=True)
+    checkpoint.save(_shard(_full_state(), mesh), f"{path}-weights", weights_only=True)
+    try:
+        checkpoint.save(_shard(_full_state(), mesh), f"{path}-{rank}")
+    except CheckpointError as e:
+        assert "the ranks name different paths" in str(e)
+    else:
+        raise AssertionError("a save to a path of each rank's own was not refused")
 
 
 def test_two_ranks_to_one_process_without_a_process_group_gathers_bitwise(tmp_path):
@@ -207,7 +214,9 @@ def test_two_ranks_to_one_process_without_a_process_group_gathers_bitwise(tmp_pa
     for k, v in model.state_dict().items():
         key = f"buffers/{k}" if k == "count" else f"params/{k}"
         assert torch.equal(v, _plain(reference)[key]), k
-    out = checkpoint.export(path, tmp_path / "model.pt")
+    weights = checkpoint.read_meta(f"{path}-weights")
+    assert weights["weights_only"] and not any(k.startswith("opt_") for k in weights["tensors"])
+    out = checkpoint.export(f"{path}-weights", tmp_path / "model.pt")
     plain = torch.load(out, weights_only=True)
     assert set(plain) == set(model.state_dict())
     for k, v in plain.items():
