@@ -272,7 +272,19 @@ class Trainer(FlagViews):
             from engine.listeners import ModelCheckpoint
 
             listeners.append(ModelCheckpoint())  # as Lightning: the latest, every epoch
-        if self.enable_journal and not any(_is(x, "Journal") for x in listeners):
+        unjournaled = self._strategy.not_journaled
+        if unjournaled and any(_is(x, "Journal") for x in listeners):
+            raise ValueError(
+                f"Trainer(callbacks=[Journal(...)]) with strategy {self._strategy!r}: "
+                f"{unjournaled}; drop the Journal"
+            )
+        if self.enable_journal and unjournaled:
+            warnings.warn(
+                f"Trainer: no journal for this run (strategy {self._strategy!r}: "
+                f"{unjournaled}); pass enable_journal=False to say so",
+                stacklevel=3,
+            )
+        elif self.enable_journal and not any(_is(x, "Journal") for x in listeners):
             from engine.listeners import Journal
 
             listeners.append(Journal())  # the run directory's record, for replay

@@ -109,6 +109,12 @@ class FSDP(DDP):
         "the eager step); train with compile=False under FSDP"
     )
 
+    not_journaled = (
+        "the journal's fingerprints of a sharded state gather every shard, a collective that "
+        "the journal, written by rank 0 alone, cannot join yet; replay of sharded runs is not "
+        "built"
+    )
+
     def __init__(
         self,
         *,

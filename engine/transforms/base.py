@@ -156,6 +156,9 @@ class Strategy(Transform):
     #: why this strategy's steps cannot be compiled (``None``: they can); ``compose`` refuses
     #: ``compile=True`` with it, saying so
     not_compilable: str | None = None
+    #: why a run under this strategy cannot be journaled (``None``: it can); the Trainer then
+    #: runs without its journal, saying so, and refuses a Journal given as a callback
+    not_journaled: str | None = None
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,89 @@
+"""``Trainer(strategy=FSDP(...))`` under torchrun, 2 gloo ranks, against DDP and one process.
+
+The step-level equality is tests/test_fsdp.py's; here the driver around it: the loaders'
+sharding, the epoch's metrics over every rank, validation, test and predict through the bind
+hook, the journal, and a state that comes back sharded.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_ddp_trainer import _close, _final, _ok, _python, _torchrun
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+    import engine as eg
+    from engine import optim
+    from engine.parallel.fsdp import FSDP, is_sharded
+
+    args = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    ds = TensorDataset(torch.randn(160, 6, generator=g), torch.randn(160, 3, generator=g))
+    loader = DataLoader(ds, batch_size=args["batch"], shuffle=True)
+    val = DataLoader(ds, batch_size=args["batch"])
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.adamw(1e-2, weight_decay=0.01),
+                   eval_fn=lambda m, b: {"loss": F.mse_loss(m(b[0]), b[1])},
+                   predict_fn=lambda m, b: m(b[0]))
+    strategy = {"fsdp": lambda: FSDP(**args.get("options", {}))}.get(
+        args["strategy"], lambda: args["strategy"])()
+    trainer = eg.Trainer(
+        accelerator="cpu", strategy=strategy, devices=args["devices"], max_epochs=2,
+        accumulate_grad_batches=2, gradient_clip_val=0.5, default_root_dir=args["root"],
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        enable_checkpointing=False,
+    )
+    out = trainer.fit(task, task.init(model, seed=0), loader, val)
+    sharded = is_sharded(out)
+    tested = trainer.test(task, out, val, verbose=False)[0]
+    predicted = trainer.predict(task, out, DataLoader(ds, batch_size=40))
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+    params = {k: full(v).detach().clone() for k, v in out.params.items()}
+    if trainer.is_global_zero:
+        torch.save({"params": params, "step": out.step, "sharded": sharded,
+                    "world_size": trainer.world_size, "test": tested,
+                    "predicted": torch.cat(predicted).shape[0],
+                    "metrics": dict(trainer.callback_metrics)},
+                   os.path.join(args["root"], "final.pt"))
+    """
+)
+
+
+def _script(tmp_path: Path) -> Path:
+    path = tmp_path / "fsdp_script.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_fsdp_fit_validate_test_predict_equal_one_process_and_ddp(tmp_path):
+    script = _script(tmp_path)
+    one, ddp, fsdp = tmp_path / "one", tmp_path / "ddp", tmp_path / "fsdp"
+    _ok(_python(script, {"devices": 1, "batch": 16, "root": str(one), "strategy": "auto"}))
+    _ok(_torchrun(script, {"devices": 2, "batch": 8, "root": str(ddp), "strategy": "ddp"}))
+    _ok(_torchrun(script, {"devices": 2, "batch": 8, "root": str(fsdp), "strategy": "fsdp"}))
+    a, d, f = _final(one), _final(ddp), _final(fsdp)
+    assert f["sharded"] and not d["sharded"] and f["world_size"] == 2
+    assert a["step"] == d["step"] == f["step"] == 10
+    _close(f["params"], a["params"])
+    _close(f["params"], d["params"])
+    # validation over every rank's shard is the whole set's; the training loss (not synced,
+    # as Lightning's sync_dist=False) is rank 0's own, as under DDP
+    assert abs(f["metrics"]["val/loss"] - a["metrics"]["val/loss"]) < 1e-6
+    assert abs(f["metrics"]["train/loss_epoch"] - d["metrics"]["train/loss_epoch"]) < 1e-6
+    assert abs(f["test"]["test/loss"] - a["test"]["test/loss"]) < 1e-6
+    # each rank predicts its shard of the 160 samples
+    assert f["predicted"] == 80 and a["predicted"] == 160
