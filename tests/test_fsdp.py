@@ -247,3 +247,27 @@ def test_a_plain_module_and_data_parallel():
     with pytest.raises(TypeError, match="it is a DataParallel module"):
         eg.TrainState.create(nn.DataParallel(nn.Linear(2, 2)), optim.sgd(0.1))
     assert eg.TrainState.create(nn.Linear(2, 2), optim.sgd(0.1)).step == 0
+
+
+def _bf16(rank: int, kind: str) -> dict:
+    strategy = {"ddp": DDP, "fsdp": FSDP}[kind]()
+    strategy.setup()
+    tx = _tx()
+    pipeline = transforms.compose(
+        strategy=strategy, precision=transforms.precision_transform("bf16-mixed")
+    )
+    state = pipeline.prepare(eg.TrainState.create(_model(0), tx), tx)
+    step = pipeline.train_step(_loss, tx)
+    x, y = _data(10 * B * 2)
+    for i in range(10):
+        lo = i * 2 * B + rank * B
+        state, _ = step(state, pipeline.move((x[lo : lo + B], y[lo : lo + B])))
+    return {k: _full(v) for k, v in state.params.items()}
+
+
+def test_bf16_mixed_under_fsdp_equals_ddp():
+    # autocast casts the gathered float32 parameters for each op; the gradients reach the
+    # float32 shards and are reduced in float32, as DDP's are
+    ddp = run_ranks(_bf16, 2, "ddp", timeout=180)
+    fsdp = run_ranks(_bf16, 2, "fsdp", timeout=180)
+    _close(fsdp[0], ddp[0], tol=1e-6)

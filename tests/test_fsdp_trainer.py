@@ -87,3 +87,15 @@ def test_fsdp_fit_validate_test_predict_equal_one_process_and_ddp(tmp_path):
     assert abs(f["test"]["test/loss"] - a["test"]["test/loss"]) < 1e-6
     # each rank predicts its shard of the 160 samples
     assert f["predicted"] == 80 and a["predicted"] == 160
+
+
+@pytest.mark.parametrize("name", ["fsdp", "deepspeed_stage_2"])
+def test_strategy_names_run_fsdp_and_train_as_ddp(tmp_path, name):
+    script = _script(tmp_path)
+    ddp, named = tmp_path / "ddp", tmp_path / "named"
+    _ok(_torchrun(script, {"devices": 2, "batch": 8, "root": str(ddp), "strategy": "ddp"}))
+    proc = _torchrun(script, {"devices": 2, "batch": 8, "root": str(named), "strategy": name})
+    _ok(proc)
+    d, f = _final(ddp), _final(named)
+    assert f["sharded"] and f["step"] == d["step"] == 10
+    _close(f["params"], d["params"])
