@@ -455,3 +455,100 @@ def test_a_loader_without_batch_size_cannot_be_checked():
     loader = DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=None)
     with pytest.raises(ValueError, match="cannot be checked against the train loader"):
         strategy.shard(loader, "train")
+
+
+# ---------------------------------------------------------------------- a run on 2 ranks
+
+SCRIPT = """
+import json, sys
+import torch, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+import engine as eg
+from engine import optim
+from engine.parallel import DeepSpeedStrategy
+
+args = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(1)
+ds = TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g))
+loader = DataLoader(ds, batch_size=4)
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.adamw(1e-2, weight_decay=0.01))
+strategy = DeepSpeedStrategy(args["config"]) if "config" in args else args["strategy"]
+trainer = eg.Trainer(accelerator="cpu", strategy=strategy, devices=2, max_steps=6,
+                     enable_progress_bar=False, enable_checkpointing=False, logger=False,
+                     enable_model_summary=False, enable_journal=False,
+                     default_root_dir=args["dir"], **args.get("flags", {}))
+state = trainer.fit(task, task.init(model, seed=0), loader)
+full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in state.params.items()}
+if trainer.is_global_zero:
+    torch.save(full, args["out"])
+"""
+
+
+def _run_two_ranks(tmp_path, name: str, args: dict) -> dict:
+    """The parameters after 6 optimizer steps of a Trainer on 2 gloo ranks it launches itself
+    (a process group of its own, killed whole if it outlives the timeout)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "ds_run.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / f"{name}.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    for k in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "PYTHONUNBUFFERED",
+    ):
+        env.pop(k, None)
+    args = {**args, "dir": str(tmp_path / name), "out": str(out)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        text, _ = proc.communicate(timeout=55)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        raise AssertionError(f"{name}: no result within 55 s:\n{text[-3000:]}") from None
+    assert proc.returncode == 0, text[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.slow
+def test_a_config_run_trains_as_ddp_with_the_same_flags(tmp_path):
+    """ZeRO-3 from a config (clip 0.05, accumulation 2, micro batch 4) on 2 ranks against
+    Trainer(strategy='ddp') given those flags: the same parameters; without the config's clip
+    and accumulation (the name alone) they differ, so the config's keys did reach the run."""
+    config = {
+        "zero_optimization": {"stage": 3},
+        "gradient_clipping": 0.05,
+        "gradient_accumulation_steps": 2,
+        "train_micro_batch_size_per_gpu": 4,
+    }
+    sharded = _run_two_ranks(tmp_path, "ds", {"config": config})
+    ddp = _run_two_ranks(
+        tmp_path,
+        "ddp",
+        {"strategy": "ddp", "flags": {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}},
+    )
+    plain = _run_two_ranks(tmp_path, "plain", {"strategy": "deepspeed_stage_3"})
+    assert sharded.keys() == ddp.keys()
+    for k in ddp:
+        torch.testing.assert_close(sharded[k], ddp[k], atol=1e-6, rtol=0)
+    assert max(float((plain[k] - ddp[k]).abs().max()) for k in ddp) > 1e-3
