@@ -60,6 +60,7 @@ from engine.loop.fit import fit as fit_loop
 from engine.loop.flags import resolve
 from engine.loop.progress import Progress
 from engine.optim import clip_by_global_norm, clip_by_value
+from engine.parallel.environments import LAUNCHED_BY_VAR
 from engine.parallel.select import select_strategy
 from engine.state import TrainState
 from engine.task import Task
@@ -1403,7 +1404,14 @@ def _launched(trainer: Trainer, entry: str, args: tuple[Any, ...]) -> Any:
     trainer._inside_launch = True
     try:
         trainer._strategy.setup()
-        return getattr(trainer, entry)(*args)
+        out = getattr(trainer, entry)(*args)
+        if isinstance(out, TrainState) and os.environ.get(LAUNCHED_BY_VAR, "").startswith("spawn:"):
+            # the caller of a spawned run has no process group to hold shards in: every rank
+            # gathers, and rank 0's whole state goes back
+            from engine.parallel.fsdp import full_state
+
+            out = full_state(out)
+        return out
     finally:
         trainer._inside_launch = False
 

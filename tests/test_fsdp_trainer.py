@@ -99,3 +99,55 @@ def test_strategy_names_run_fsdp_and_train_as_ddp(tmp_path, name):
     d, f = _final(ddp), _final(named)
     assert f["sharded"] and f["step"] == d["step"] == 10
     _close(f["params"], d["params"])
+
+
+SPAWN = textwrap.dedent(
+    """
+    import json, sys
+    import torch, torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+    import engine as eg
+    from engine import optim
+    from engine.parallel.fsdp import FSDP, is_sharded
+
+    def main():
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        ds = TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g))
+        model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(),
+                                    torch.nn.Linear(7, 3))
+        task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.adamw(1e-2))
+        trainer = eg.Trainer(
+            accelerator="cpu", strategy=FSDP(start_method="spawn"), devices=2, max_epochs=1,
+            default_root_dir=sys.argv[1], enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, logger=False, enable_journal=False,
+        )
+        out = trainer.fit(task, task.init(model, seed=0), DataLoader(ds, batch_size=8))
+        assert not is_sharded(out), "a spawned run returns the whole state"
+        x = torch.randn(4, 6)
+        y = eg.ModelView(out.module, out.params, out.buffers)(x)  # usable in the caller
+        print("returned", out.step, tuple(out.params["0.weight"].shape), tuple(y.shape))
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def test_a_spawned_fsdp_run_returns_the_whole_state(tmp_path):
+    import subprocess
+
+    from test_ddp_trainer import _env
+
+    script = tmp_path / "spawn_fsdp.py"
+    script.write_text(SPAWN)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    _ok(proc)
+    assert "returned 4 (7, 6) (4, 3)" in proc.stdout

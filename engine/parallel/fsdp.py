@@ -38,6 +38,7 @@ Launch, the loaders' sharding, the driver's collectives and the metrics' sync ar
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
@@ -52,7 +53,7 @@ from engine.optim.base import GradientTransformation
 from engine.parallel.ddp import DDP
 from engine.state import TrainState
 
-__all__ = ["FSDP", "is_sharded"]
+__all__ = ["FSDP", "full_state", "is_sharded"]
 
 _SHARDING = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 _STATE_DICT_TYPES = ("sharded", "full")
@@ -65,6 +66,30 @@ def is_sharded(state: TrainState) -> bool:
     return any(
         isinstance(t, DTensor)
         for t in pytree.tree_leaves((state.params, state.opt_state, state.grad_accum))
+    )
+
+
+def full_state(state: TrainState) -> TrainState:
+    """``state`` with every sharded tensor gathered whole: an ordinary state with the same
+    values (a collective: every rank calls it). An unsharded state is returned as it is.
+
+    This is what a ``start_method="spawn"`` run returns to its caller, which has no process
+    group to hold shards in; a checkpoint of the full state is ``checkpoint.export``'s."""
+    if not is_sharded(state):
+        return state
+    from torch.distributed.tensor import DTensor
+
+    def full(t: Any) -> Any:
+        if isinstance(t, DTensor):
+            return t.full_tensor().detach().requires_grad_(t.requires_grad)
+        return t
+
+    return state.replace(
+        params={k: full(v) for k, v in state.params.items()},
+        opt_state=pytree.tree_map(full, state.opt_state),
+        grad_accum=None
+        if state.grad_accum is None
+        else {k: full(v) for k, v in state.grad_accum.items()},
     )
 
 
@@ -364,7 +389,6 @@ class _Units:
         self.owner = owner
         units = [module] + [m for m in module.modules() if m is not module and policy(m)]
         unit_ids = {id(u) for u in units}
-        self.slots: dict[int, list[tuple[dict[str, Any], str]]] = {}
         for unit in units:
             own: list[tuple[dict[str, Any], str]] = []
             stack = [unit]
@@ -372,8 +396,9 @@ class _Units:
                 m = stack.pop()
                 own.extend((m._parameters, name) for name in m._parameters)
                 stack.extend(c for c in m.children() if id(c) not in unit_ids)
-            self.slots[id(unit)] = own
-            unit.register_forward_pre_hook(self._pre)
+            # the unit's slots travel with its hook (a pickled module, a spawned run's
+            # returned state, keeps hooks that still find them)
+            unit.register_forward_pre_hook(functools.partial(self._pre, own))
             unit.register_forward_hook(self._post, always_call=True)
         self._held: dict[int, list[list[tuple[dict[str, Any], str, Tensor]]]] = {}
 
@@ -385,11 +410,11 @@ class _Units:
         else:
             units.owner = owner
 
-    def _pre(self, unit: nn.Module, args: Any) -> None:
+    def _pre(self, own: list[tuple[dict[str, Any], str]], unit: nn.Module, args: Any) -> None:
         from torch.distributed.tensor import DTensor
 
         held: list[tuple[dict[str, Any], str, Tensor]] = []
-        for store, name in self.slots[id(unit)]:
+        for store, name in own:
             t = store.get(name)
             if isinstance(t, DTensor):
                 held.append((store, name, t))
