@@ -3,6 +3,9 @@ that say who each process is, and the launchers that start them.
 
 * :class:`DDP`: data parallel (every rank holds the whole state; the gradients are averaged
   once per optimizer step). A :class:`~engine.transforms.Strategy`, composed like any transform.
+* :class:`FSDP`: fully sharded (each rank holds ``1/W`` of every parameter, gradient and
+  optimizer leaf as DTensors; parameters gathered per unit inside the forward);
+  :func:`full_state` gathers a sharded state whole.
 * :class:`DeepSpeedStrategy`: DeepSpeed's ZeRO stages and config run as their FSDP2
   equivalents (Lightning's ``strategy="deepspeed_stage_*"`` names).
 * :class:`SyncBatchNorm` / :func:`convert_sync_batchnorm`: batch norm with the statistics of
@@ -11,6 +14,7 @@ that say who each process is, and the launchers that start them.
 
 from engine.parallel.ddp import DDP
 from engine.parallel.deepspeed import DeepSpeedStrategy
+from engine.parallel.fsdp import FSDP, full_state, is_sharded
 from engine.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from engine.transforms.base import Strategy
 from engine.transforms.common import SingleProcess
@@ -18,8 +22,11 @@ from engine.transforms.common import SingleProcess
 __all__ = [
     "DDP",
     "DeepSpeedStrategy",
+    "FSDP",
     "SingleProcess",
     "Strategy",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
+    "full_state",
+    "is_sharded",
 ]
