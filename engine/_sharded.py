@@ -35,6 +35,7 @@ import shutil
 import stat
 import warnings
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -82,13 +83,13 @@ def _describe_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Any]:
     return out
 
 
-def _agree(error: BaseException | None, target: Path, stage: str) -> None:
+def _agree(error: BaseException | None, target: Path, stage: str, group: Any = None) -> None:
     """Every rank's outcome of ``stage``, exchanged (a collective): raise on every rank if it
     failed on any, naming the ranks and their errors; this rank's own error first."""
     world = dist.get_world_size()
     told: list[Any] = [None] * world
     mine = None if error is None else f"{type(error).__name__}: {error}"
-    _exchange(dist.all_gather_object, target, stage, told, mine)
+    _exchange(dist.all_gather_object, target, stage, told, mine, group=group)
     failed = [(r, m) for r, m in enumerate(told) if m is not None]
     if error is not None:
         if isinstance(error, CheckpointError):
@@ -118,7 +119,16 @@ def _exchange(collective: Any, target: Path, stage: str, *args: Any, **kwargs: A
         ) from e
 
 
-def save(
+def _require_group(target: Path) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CheckpointError(
+            f"checkpoint.save({str(target)!r}): the state is sharded (DTensors) but no process "
+            "group is initialized; a sharded state is saved by every rank of its process group "
+            "together. Save from inside the run (every rank calls checkpoint.save)"
+        )
+
+
+def _prepare(
     state: TrainState,
     target: Path,
     *,
@@ -127,16 +137,9 @@ def save(
     fingerprint: bool,
     weights_only: bool,
     rank_grad_accum: Sequence[Mapping[str, Tensor]],
-) -> Path:
-    """:func:`engine.checkpoint.save` of a sharded state: a collective (see the module)."""
-    import torch.distributed.checkpoint as dcp
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise CheckpointError(
-            f"checkpoint.save({str(target)!r}): the state is sharded (DTensors) but no process "
-            "group is initialized; a sharded state is saved by every rank of its process group "
-            "together. Save from inside the run (every rank calls checkpoint.save)"
-        )
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The tensors to write and ``meta.json``'s values (rank 0's), every rank agreeing that it
+    can save to one path; the fingerprint of the full values when asked (a collective)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     problem: BaseException | None = None
     tensors: dict[str, Tensor] = {}
@@ -175,6 +178,66 @@ def save(
         # the accumulated gradients are DTensors: every rank's share of the window is in them
         grad_accum_ranks=0 if weights_only or state.grad_accum is None else world,
     )
+    return tensors, meta
+
+
+def save(state: TrainState, target: Path, **kwargs: Any) -> Path:
+    """:func:`engine.checkpoint.save` of a sharded state: a collective (see the module)."""
+    _require_group(target)
+    tensors, meta = _prepare(state, target, **kwargs)
+    return _write(tensors, meta, target, None)
+
+
+_SIDE: list[Any] = []  # [the default process group, the checkpoints' own gloo group over it]
+
+
+def _side_group() -> Any:
+    """A process group of the checkpoints' own (gloo, every rank), made at the first
+    asynchronous save (a collective: every rank makes that save), so that the background
+    writes' collectives never interleave with the training's on the default group."""
+    world = dist.distributed_c10d._get_default_group()
+    if not _SIDE or _SIDE[0] is not world:
+        _SIDE[:] = [world, dist.new_group(backend="gloo")]
+    return _SIDE[1]
+
+
+def _snapshot(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A copy of this rank's part of every tensor (a DTensor stays one, of the same mesh and
+    placements), for the background write: training may update the live ones meanwhile."""
+    out: dict[str, Tensor] = {}
+    for k, t in tensors.items():
+        if isinstance(t, DTensor):
+            out[k] = DTensor.from_local(
+                t.to_local().detach().clone(),
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
+        else:
+            out[k] = t.detach().clone()
+    return out
+
+
+def save_async(state: TrainState, target: Path, **kwargs: Any) -> Future[Path]:
+    """:func:`engine.checkpoint.save_async` of a sharded state: the agreement, the
+    fingerprint (when asked) and a copy of this rank's shards now; DCP's write, the checksums
+    and the rename on the writer thread, their collectives on a gloo group of their own."""
+    from engine._checksum import _WRITER
+
+    _require_group(target)
+    group = _side_group()
+    tensors, meta = _prepare(state, target, **kwargs)
+    return _WRITER.get().submit(_write, _snapshot(tensors), meta, target, group)
+
+
+def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group: Any) -> Path:
+    """Every rank's shards into rank 0's temporary directory, then rank 0's ``meta.json`` and
+    rename; the collectives on ``group`` (``None``: the default group)."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
     claim = None
     tmp: Path | None = None
     try:
@@ -188,16 +251,17 @@ def save(
             except BaseException as e:
                 problem = e
         names: list[Any] = [name]
-        _exchange(dist.broadcast_object_list, target, "creating its temporary directory", names)
-        _agree(problem, target, "creating its temporary directory")
+        stage = "creating its temporary directory"
+        _exchange(dist.broadcast_object_list, target, stage, names, group=group)
+        _agree(problem, target, stage, group)
         shards = Path(names[0]) / SHARDS
         problem = None
         try:
             writer = dcp.FileSystemWriter(shards, sync_files=True, overwrite=False)
-            dcp.save(tensors, storage_writer=writer)
+            dcp.save(tensors, storage_writer=writer, process_group=group)
         except BaseException as e:
             problem = e
-        _agree(problem, target, "writing its shards")
+        _agree(problem, target, "writing its shards", group)
         outcome: list[Any] = [None]
         if rank == 0:
             assert tmp is not None and claim is not None
@@ -206,13 +270,14 @@ def save(
             except BaseException as e:
                 outcome = [f"{type(e).__name__}: {e}"]
                 with contextlib.suppress(Exception):  # a peer gone meanwhile: this error first
-                    dist.broadcast_object_list(outcome, src=0)
+                    dist.broadcast_object_list(outcome, src=0, group=group)
                 raise _failed(target, e) from e
             # the checkpoint is in place: a peer gone by now does not undo it
             with contextlib.suppress(Exception):
-                dist.broadcast_object_list(outcome, src=0)
+                dist.broadcast_object_list(outcome, src=0, group=group)
         else:
-            _exchange(dist.broadcast_object_list, target, "renaming it into place", outcome)
+            stage = "renaming it into place"
+            _exchange(dist.broadcast_object_list, target, stage, outcome, group=group)
             if outcome[0] is not None:
                 raise CheckpointError(
                     f"the sharded save of {target} failed on rank 0 while writing meta.json "

@@ -505,10 +505,13 @@ def save_async(
     hashed from the snapshot on the writer thread, so it does not block the caller either;
     ``weights_only`` and ``rank_grad_accum`` are :func:`save`'s.
 
-    A sharded state (DTensors: ``strategy="fsdp"``) is saved synchronously, as :func:`save`
-    does it (a collective: every rank calls it), and the future returned is already done:
-    ``torch.distributed.checkpoint.async_save`` would run the write's collectives on a thread
-    beside the training's own, which needs a process group of its own for the checkpoint.
+    A sharded state (DTensors: ``strategy="fsdp"``) is saved by every rank together, as by
+    :func:`save` (a collective: call it on every rank, in the same order as the other
+    saves): the ranks' agreement, the fingerprint (a gather) and a copy of this rank's shards
+    happen in the call; ``torch.distributed.checkpoint``'s write, the checksums, ``meta.json``
+    and the rename on the writer thread, whose collectives run on a gloo process group of the
+    checkpoints' own (made by the first such save), so they never interleave with the
+    training's.
 
     Example:
         >>> import tempfile, torch
@@ -522,23 +525,23 @@ def save_async(
     """
     _is_state(state, path, "save_async")
     state.check_alive("checkpoint.save_async()")
-    if _is_sharded(state):  # synchronous, see above: a future already done
-        done: Future[Path] = Future()
+    if _is_sharded(state):  # every rank writes its shards (engine/_sharded.py)
+        from engine import _sharded
+
         try:
-            done.set_result(
-                save(
-                    state,
-                    path,
-                    metrics=metrics,
-                    extra=extra,
-                    fingerprint=fingerprint,
-                    weights_only=weights_only,
-                    rank_grad_accum=rank_grad_accum,
-                )
+            return _sharded.save_async(
+                state,
+                Path(path),
+                metrics=metrics,
+                extra=extra,
+                fingerprint=fingerprint,
+                weights_only=weights_only,
+                rank_grad_accum=rank_grad_accum,
             )
         except CheckpointError as e:
-            done.set_exception(e)
-        return done
+            failed_now: Future[Path] = Future()
+            failed_now.set_exception(e)
+            return failed_now
     tensors, scalars = _flatten(state, weights_only, rank_grad_accum)
     try:
         _replaceable(Path(path))  # here, so that the caller hears of it at once

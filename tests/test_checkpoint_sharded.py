@@ -293,6 +293,33 @@ def test_a_sharded_checkpoint_reshards_onto_another_world_size(tmp_path, saved_o
     assert [r["rows"] for r in results] == ([(3, 3), (2, 3)] if loaded_on == 2 else [(5, 3)])
 
 
+def _save_async_while_training(rank: int, path: str) -> dict:
+    import torch.distributed as dist
+
+    mesh = _init()
+    state = _shard(_full_state(), mesh)
+    future = checkpoint.save_async(state, path, fingerprint=True)
+    for _ in range(20):  # the training goes on: its collectives, its in-place updates
+        for p in state.params.values():
+            p.detach().to_local().add_(1.0)
+        dist.all_reduce(torch.ones(3))
+    done = future.result(timeout=TIMEOUT)
+    second = checkpoint.save_async(state, f"{path}-2").result(timeout=TIMEOUT)
+    return {"path": str(done), "second": str(second), "after": _plain(state)}
+
+
+def test_save_async_of_a_sharded_state_writes_the_values_of_the_call(tmp_path):
+    path = tmp_path / "c"
+    results = run_ranks(_save_async_while_training, 2, str(path), timeout=TIMEOUT)
+    assert all(r["path"] == str(path) for r in results)
+    reference = _full_state()
+    back = checkpoint.load(path, _full_state(seed=2))
+    _bitwise(_plain(back), _plain(reference))  # not the values updated after the call
+    assert checkpoint.read_meta(path)["fingerprint"] == reference.fingerprint()
+    later = checkpoint.load(tmp_path / "c-2", _full_state(seed=2))
+    _bitwise(_plain(later), results[0]["after"])
+
+
 # --------------------------------------------------------------------------- hostile
 
 
@@ -465,13 +492,13 @@ FIT = textwrap.dedent(
 
     saver = eg.listeners.ModelCheckpoint(
         dirpath=os.path.join(args["root"], "ckpts"), filename="{step}", save_top_k=-1,
-        every_n_train_steps=2)
+        every_n_train_steps=2, asynchronous=args.get("asynchronous", False))
     task = eg.Task(loss_fn, optim.adamw(1e-2, weight_decay=0.01))
     trainer = eg.Trainer(
         accelerator="cpu", strategy=args["strategy"], devices=args["devices"], max_epochs=2,
         gradient_clip_val=0.5, default_root_dir=args["root"], enable_progress_bar=False,
         enable_model_summary=False, callbacks=[saver], log_every_n_steps=1,
-        enable_journal=False,  # the journal fingerprints on rank 0 alone: see the report
+        enable_journal=False,  # a sharded run has none (its fingerprints need every rank)
     )
     out = trainer.fit(task, task.init(model, seed=0), loader, ckpt_path=args.get("ckpt"))
     fp = out.fingerprint()  # of the gathered values: a collective under fsdp
@@ -519,3 +546,16 @@ def test_trainer_fsdp_checkpoints_resume_bitwise_on_two_ranks_and_gather_on_one(
     # and a fit on 1 process continues from the 2-rank checkpoint
     one = _fit(tmp_path / "one", devices=1, strategy="auto", ckpt=str(ckpts / "step=2"))
     assert one["step"] > 2
+
+
+def test_trainer_fsdp_asynchronous_checkpoints_equal_the_synchronous_ones(tmp_path):
+    sync = _fit(tmp_path / "sync")
+    background = _fit(tmp_path / "async", asynchronous=True)
+    assert background["fp"] == sync["fp"]
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    template = eg.TrainState.create(model, optim.adamw(1e-2, weight_decay=0.01))
+    for name in ("step=2", "step=8"):
+        a = checkpoint.load(tmp_path / "sync" / "ckpts" / name, template)
+        b = checkpoint.load(tmp_path / "async" / "ckpts" / name, template)
+        _bitwise(_plain(a), _plain(b))
+        assert checkpoint.read_meta(tmp_path / "async" / "ckpts" / name)["fingerprint"]
