@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check: the environment, the GPU-marked tests, benchmarks.gpu, then (with 2
-# GPUs or more) the 2-GPU data-parallel check benchmarks.gpu_ddp; one JSON file with keys env,
-# tests, bench, ddp (written and printed whatever fails).
+# GPUs or more) the 2-GPU data-parallel check benchmarks.gpu_ddp and the 2-GPU FSDP check
+# benchmarks.gpu_fsdp; one JSON file with keys env, tests, bench, ddp, fsdp (written and printed
+# whatever fails).
 #
 #   bash benchmarks/gpu_check.sh [OUT.json]        # default: gpu_check.json
 #
@@ -15,7 +16,9 @@
 # The data-parallel check runs under `torchrun --standalone --nproc-per-node 2` (NCCL) when
 # torch sees 2 GPUs or more, in at most DDP_TIMEOUT (90 s) beyond TOTAL_S, and is skipped with
 # a message otherwise; GPU_DDP_ARGS adds arguments and runs it whatever the GPUs (a gloo smoke
-# run: GPU_DDP_ARGS="--device cpu --quick").
+# run: GPU_DDP_ARGS="--device cpu --quick"). The FSDP check (ZeRO-2/3 equivalents against DDP
+# and one GPU: equality, memory per rank, step time) runs the same way, in at most FSDP_TIMEOUT
+# (90 s) more, skipped with a message below 2 GPUs; GPU_FSDP_ARGS as GPU_DDP_ARGS.
 set -u
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -26,6 +29,7 @@ TOTAL_S=${TOTAL_S:-450}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
 DDP_TIMEOUT=${DDP_TIMEOUT:-90}
+FSDP_TIMEOUT=${FSDP_TIMEOUT:-90}
 WORK=$(mktemp -d)
 NOTES=()
 START=$SECONDS
@@ -133,13 +137,29 @@ else
     DDP+=(--ddp-skipped "$SKIP")
 fi
 
+# ------------------------------------------------------------------ the 2-GPU FSDP check
+FSDP=(--fsdp-json "$WORK/fsdp.json" --fsdp-log "$WORK/fsdp.log")
+if [ "${NGPU:-0}" -ge 2 ] 2>/dev/null || [ -n "${GPU_FSDP_ARGS:-}" ]; then
+    say "benchmarks.gpu_fsdp on 2 ranks (${NGPU} GPUs; timeout ${FSDP_TIMEOUT}s)"
+    { timeout -k 10 "$FSDP_TIMEOUT" "$PY" -m torch.distributed.run --standalone \
+        --nproc-per-node 2 -m benchmarks.gpu_fsdp --json "$WORK/fsdp.json" ${GPU_FSDP_ARGS:-} \
+        2>&1 >"$WORK/fsdp.out"; } | tee "$WORK/fsdp.log" >&2
+    FSDP_RC=${PIPESTATUS[0]}
+    FSDP+=(--fsdp-rc "$FSDP_RC")
+    say "FSDP check: rc $FSDP_RC"
+else
+    SKIP="2-GPU FSDP check skipped: torch sees ${NGPU:-0} GPU(s), it needs 2"
+    say "$SKIP"
+    FSDP+=(--fsdp-skipped "$SKIP")
+fi
+
 # ------------------------------------------------------------------ the report
 REPORT_PY=$PY
 "$PY" -c '' 2>/dev/null || REPORT_PY=${HOST:-python3}
 "$REPORT_PY" benchmarks/gpu_report.py --out "$OUT" \
     --tests-log "$WORK/tests.log" --tests-rc "$TESTS_RC" \
     --bench-json "$WORK/bench.json" --bench-log "$WORK/bench.log" --bench-rc "$BENCH_RC" \
-    "${DDP[@]}" ${NOTES[@]+"${NOTES[@]}"}
+    "${DDP[@]}" "${FSDP[@]}" ${NOTES[@]+"${NOTES[@]}"}
 RC=$?
 say "wrote $OUT (rc $RC, $((SECONDS - START)) s in all)"
 rm -rf "$WORK"

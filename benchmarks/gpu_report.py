@@ -1,11 +1,12 @@
 """Assembles ``benchmarks/gpu_check.sh``'s one JSON file: ``env``, ``tests``, ``bench`` and,
-when the script ran or skipped the 2-GPU data-parallel check, ``ddp``.
+when the script ran or skipped the 2-GPU data-parallel and FSDP checks, ``ddp`` and ``fsdp``.
 
 Standard library only, so that it writes a report even where torch or engine fail to import::
 
     python benchmarks/gpu_report.py --out gpu_check.json --tests-log LOG --tests-rc RC \\
         --bench-json BENCH --bench-log LOG --bench-rc RC \\
-        [--ddp-json DDP --ddp-log LOG --ddp-rc RC | --ddp-skipped WHY] [--note TEXT]...
+        [--ddp-json DDP --ddp-log LOG --ddp-rc RC | --ddp-skipped WHY] \\
+        [--fsdp-json FSDP --fsdp-log LOG --fsdp-rc RC | --fsdp-skipped WHY] [--note TEXT]...
 """
 
 from __future__ import annotations
@@ -122,10 +123,14 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     tests["tail"] = log[-TAIL:]
     bench = _run_section(args.bench_rc, args.bench_json, args.bench_log)
     out = {"env": environment(), "notes": args.note, "tests": tests, "bench": bench}
-    if args.ddp_skipped is not None:
-        out["ddp"] = {"skipped": args.ddp_skipped}
-    elif args.ddp_rc is not None:
-        out["ddp"] = _run_section(args.ddp_rc, args.ddp_json, args.ddp_log)
+    for name in ("ddp", "fsdp"):
+        skipped, rc = getattr(args, f"{name}_skipped"), getattr(args, f"{name}_rc")
+        if skipped is not None:
+            out[name] = {"skipped": skipped}
+        elif rc is not None:
+            out[name] = _run_section(
+                rc, getattr(args, f"{name}_json"), getattr(args, f"{name}_log")
+            )
     return out
 
 
@@ -141,6 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ddp-log")
     p.add_argument("--ddp-rc", type=int)
     p.add_argument("--ddp-skipped", help="why the data-parallel check did not run")
+    p.add_argument("--fsdp-json")
+    p.add_argument("--fsdp-log")
+    p.add_argument("--fsdp-rc", type=int)
+    p.add_argument("--fsdp-skipped", help="why the FSDP check did not run")
     p.add_argument("--note", action="append", default=[])
     args = p.parse_args(argv)
     text = json.dumps(report(args), indent=2)

@@ -204,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
 
     quick = dict(steps=3, reps=3) if args.quick else {}
     results["ddp"] = ddp_bench.run(rounds=5 if args.quick else 15, **quick)
+    # FSDP's ZeRO-2 / ZeRO-3 equivalents against DDP on 2 gloo ranks: bytes held per rank,
+    # a step's peak, step time (see benchmarks/fsdp.py)
+    from benchmarks import fsdp as fsdp_bench  # imports this module: import late
+
+    results["fsdp"] = fsdp_bench.run(rounds=5 if args.quick else 11)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
