@@ -367,7 +367,7 @@ def test_a_file_not_named_in_meta_is_refused(tmp_path):
         checkpoint.verify(path)
 
 
-def _save_then_die(rank: int, path: str, victim: int, report: str) -> None:
+def _save_then_die(rank: int, path: str, victim: int, report: str, background: bool) -> None:
     """Save state A; then save state B to the same path, ``victim`` SIGKILLed while its DCP
     writer is half way through its file. The other rank records what it saw."""
     from torch.distributed.checkpoint import filesystem
@@ -387,7 +387,10 @@ def _save_then_die(rank: int, path: str, victim: int, report: str) -> None:
 
         filesystem._write_item = dying
     try:
-        checkpoint.save(_shard(_full_state(seed=1), mesh), path)
+        if background:
+            checkpoint.save_async(_shard(_full_state(seed=1), mesh), path).result(TIMEOUT)
+        else:
+            checkpoint.save(_shard(_full_state(seed=1), mesh), path)
         said = "saved"
     except Exception as e:
         said = f"{type(e).__name__}: {e}"
@@ -395,13 +398,13 @@ def _save_then_die(rank: int, path: str, victim: int, report: str) -> None:
     os._exit(0)  # the process group cannot be torn down with a dead peer
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_sigkill_of_a_rank_mid_save_leaves_the_previous_checkpoint(tmp_path, victim):
+@pytest.mark.parametrize(("victim", "background"), [(1, False), (0, False), (1, True)])
+def test_sigkill_of_a_rank_mid_save_leaves_the_previous_checkpoint(tmp_path, victim, background):
     ckpts = tmp_path / "ckpts"
     ckpts.mkdir()
     path, report = ckpts / "last", tmp_path / "report.txt"
     with pytest.raises((RuntimeError, AssertionError, TimeoutError)):
-        run_ranks(_save_then_die, 2, str(path), victim, str(report), timeout=TIMEOUT)
+        run_ranks(_save_then_die, 2, str(path), victim, str(report), background, timeout=TIMEOUT)
     said = report.read_text()  # the survivor did not hang: it heard of the failure
     assert said.startswith("CheckpointError"), said
     checkpoint.clean_leftovers(ckpts)
