@@ -30,12 +30,16 @@ What is measured, per rank (rank 0's figures; rank 1's are the same up to an une
   step to the next's ``zero_grad``) and the optimizer's state;
 * **step peak**: the most bytes allocated at once during one optimizer step above what was
   allocated when it began (on the CPU: the allocation and free events of ``torch.profiler``
-  with ``profile_memory=True``, summed in time order, over one step after warm-up; on CUDA
+  with ``profile_memory=True``, summed in time order over the last of three profiled steps, so
+  that the blocks it frees were allocated in the profiler's view; on CUDA
   ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``, less
-  ``memory_allocated()`` before). It counts what torch's allocator hands out (activations,
-  gradients, gathered parameters, the optimizer's temporaries, the collectives' output
-  buffers), not gloo's own buffers nor Python objects. ``*_step_peak_bytes`` is held plus that:
-  the state's own bytes at the step's high-water mark;
+  ``memory_allocated()`` before); the median of three such measurements, the garbage collector
+  off in each (their range is in the JSON). It counts what torch's allocator hands out
+  (activations, gradients, gathered parameters, the optimizer's temporaries, the collectives'
+  output buffers), not gloo's own buffers nor Python objects. ``*_step_peak_bytes`` is held
+  plus that: the state and the step's transients at the step's high-water mark.
+  ``*_forward_peak_above_held_bytes``: the same peak up to the end of the forward pass (the
+  model's forward hook marks it), where ZeRO-3 frees each block's gathered weights;
 * **time**: ms per optimizer step, the variants run interleaved, round by round (the order
   rotated), a barrier before and after each timed block (a block is the slower rank's time); a
   ratio is the median over rounds of the per-round ratio.
@@ -97,7 +101,9 @@ def model(width: int = WIDTH, blocks: int = BLOCKS, seed: int = 0) -> nn.Module:
         6307850
     """
     torch.manual_seed(seed)
-    return nn.Sequential(*[Block(width) for _ in range(blocks)], nn.Linear(width, CLASSES))
+    m = nn.Sequential(*[Block(width) for _ in range(blocks)], nn.Linear(width, CLASSES))
+    m.register_forward_hook(_forward_end)  # where a memory measurement marks the forward's end
+    return m
 
 
 def data(width: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,16 +229,18 @@ def build(
 
 
 MARK = 999_983  # bytes: the allocation that marks where the measured step begins
+FORWARD_MARK = 999_979  # bytes: the one a model's forward hook makes at the forward's end
+_at_forward_end: list[Callable[[], None]] = []  # what a measurement does there (nothing else)
+
+
+def _forward_end(module: nn.Module, args: Any, out: Any) -> None:
+    for f in _at_forward_end:
+        f()
 
 
 def step_peak_bytes(run: Run, device: torch.device, lead: int = 2) -> int:
-    """The most bytes allocated at once during ``run()`` above what was allocated before it.
-
-    On CUDA, ``torch.cuda.max_memory_allocated``. On the CPU, from ``torch.profiler``'s
-    allocation and free events (``profile_memory=True``) summed in time order: the profiler
-    knows a block's size only when it saw it allocated, so ``lead`` calls of ``run`` are
-    profiled first (the blocks a step frees were then allocated in view), a marker allocation
-    follows, and the peak is taken over the last call, from the marker on.
+    """The most bytes allocated at once during ``run()`` above what was allocated before it
+    (the first of :func:`step_peaks`).
 
     Example:
         >>> def two():
@@ -241,15 +249,35 @@ def step_peak_bytes(run: Run, device: torch.device, lead: int = 2) -> int:
         >>> step_peak_bytes(two, torch.device("cpu"))
         8192
     """
+    return step_peaks(run, device, lead)[0]
+
+
+def step_peaks(run: Run, device: torch.device, lead: int = 2) -> tuple[int, int | None]:
+    """The most bytes allocated at once during ``run()`` above what was allocated before it,
+    and the same up to the end of its first forward pass (``None`` if no model built here ran
+    one: :func:`model`'s modules mark it, in a forward hook).
+
+    On CUDA, ``torch.cuda.max_memory_allocated``. On the CPU, from ``torch.profiler``'s
+    allocation and free events (``profile_memory=True``) summed in time order: the profiler
+    knows a block's size only when it saw it allocated, so ``lead`` calls of ``run`` are
+    profiled first (the blocks a step frees were then allocated in view), a marker allocation
+    follows, and the peak is taken over the last call, from the marker on.
+    """
+    for _ in range(lead if device.type == "cuda" else 0):
+        run()
     if device.type == "cuda":
-        for _ in range(lead):
-            run()
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        run()
+        forward: list[int] = []
+        _at_forward_end.append(lambda: forward.append(torch.cuda.max_memory_allocated(device)))
+        try:
+            run()
+        finally:
+            _at_forward_end.clear()
         torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - before)
+        at_forward = int(forward[0] - before) if forward else None
+        return int(torch.cuda.max_memory_allocated(device) - before), at_forward
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -258,7 +286,15 @@ def step_peak_bytes(run: Run, device: torch.device, lead: int = 2) -> int:
             run()
         marker = torch.empty(MARK, dtype=torch.uint8)
         del marker
-        run()
+
+        def mark() -> None:
+            torch.empty(FORWARD_MARK, dtype=torch.uint8)
+
+        _at_forward_end.append(mark)
+        try:
+            run()
+        finally:
+            _at_forward_end.clear()
     events: list[tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -272,10 +308,13 @@ def step_peak_bytes(run: Run, device: torch.device, lead: int = 2) -> int:
     if not freed:
         raise RuntimeError("benchmarks.fsdp: the profiler did not record the marker allocation")
     live = peak = 0
+    fwd: int | None = None
     for _, size in events[freed[-1] + 1 :]:
+        if size == FORWARD_MARK and fwd is None:
+            fwd = peak
         live += size
         peak = max(peak, live)
-    return peak
+    return peak, fwd
 
 
 def memory(
@@ -295,15 +334,17 @@ def memory(
     for name, v in runs.items():
         barrier()
         held = v.held()
-        peaks = []
+        peaks, forwards = [], []
         for _ in range(repeat):
             barrier()
             gc.collect()
             gc.disable()  # as while timing: a collection mid-step would move the peak
             try:
-                peaks.append(step_peak_bytes(v.run, device))
+                peak, fwd = step_peaks(v.run, device)
             finally:
                 gc.enable()
+            peaks.append(peak)
+            forwards.append(-1 if fwd is None else fwd)
         barrier()
         peak = int(statistics.median(peaks))
         if name != "torch_ddp":  # the gradient sum an accumulated step keeps
@@ -314,6 +355,7 @@ def memory(
         barrier()
         held["total"] = held["params"] + held["opt_state"] + held["grads"]
         out[name] = {**held, "step_peak_above_held": peak, "step_peak": held["total"] + peak}
+        out[name]["forward_peak_above_held"] = int(statistics.median(forwards))
         out[name]["step_peak_above_held_min"] = min(peaks)
         out[name]["step_peak_above_held_max"] = max(peaks)
     return out
@@ -373,6 +415,7 @@ def figures(
             m["step_peak_above_held_max"],
         ]
         out[f"{name}_step_peak_bytes"] = m["step_peak"]
+        out[f"{name}_forward_peak_above_held_bytes"] = m["forward_peak_above_held"]
     for name in (*SHARDED, "torch_ddp"):
         m = mem[name]
         for part in ("params", "opt_state", "grads", "total"):
@@ -381,6 +424,9 @@ def figures(
             m["step_peak_above_held"] / ddp["step_peak_above_held"]
         )
         out[f"{name}_vs_ddp_step_peak_ratio"] = m["step_peak"] / ddp["step_peak"]
+        out[f"{name}_vs_ddp_forward_peak_above_held_ratio"] = (
+            m["forward_peak_above_held"] / ddp["forward_peak_above_held"]
+        )
     for name, t in times.items():
         out[f"{name}_step_ms"] = statistics.median(t) * 1e3
     for name in SHARDED:
