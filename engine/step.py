@@ -241,6 +241,19 @@ def _cuda_devices(state: TrainState) -> tuple[int | str, ...]:
 
 _COMPILED_IDS = itertools.count()
 
+# modules whose compiled steps gather their parameters inside the graph (a sharding strategy)
+_GATHERING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_GATHERING_PURE: list[bool] = []
+
+
+def gathers_in_graph(module: nn.Module | None) -> None:
+    """Mark ``module``'s compiled steps (``None``: pure-function models') as holding
+    collectives Inductor's C++ wrapper does not take: they are compiled with the Python one."""
+    if module is None:
+        _GATHERING_PURE[:] = [True]
+    else:
+        _GATHERING.add(module)
+
 
 class _Compiled:
     """Compiles ``core(module, *args)`` once per module, with the module closed over.
@@ -281,13 +294,11 @@ class _Compiled:
             # stride before each call, which Dynamo's guards already did (~30 us a step on the
             # tiny benchmark MLP); on CPU its C++ wrapper saves another ~10 us and compiles no
             # slower than the Python one.
-            # A tensor subclass (a sharded DTensor) brings collectives into the graph, whose
-            # arguments the C++ wrapper does not take.
-            on_cpu = all(
-                t.device.type == "cpu" and type(t) in (Tensor, nn.Parameter)
-                for t in params.values()
-            )
-            options["options"] = {"size_asserts": False, "cpp_wrapper": on_cpu}
+            # A sharded model's graph holds all-gathers, whose arguments the C++ wrapper does
+            # not take (see gathers_in_graph).
+            on_cpu = all(t.device.type == "cpu" for t in params.values())
+            gathers = module in _GATHERING if module is not None else bool(_GATHERING_PURE)
+            options["options"] = {"size_asserts": False, "cpp_wrapper": on_cpu and not gathers}
         return torch.compile(bound, **options)
 
     def __call__(

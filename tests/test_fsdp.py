@@ -206,9 +206,20 @@ def test_options_are_checked():
     assert not dist.is_initialized()
 
 
-def test_compile_is_refused_saying_why():
-    with pytest.raises(ValueError, match=r"compile=False under FSDP"):
-        transforms.compose(strategy=FSDP(), compile=True)
+def _compiled(rank: int, kind: str) -> dict:
+    return _train(rank, kind, 2, {"compile": True})
+
+
+def test_compiled_fsdp_step_equals_compiled_ddp_and_one_process(one):
+    # the gathers and the reduce-scatter traced into the graph, the optimizer updating each
+    # rank's plain shards in place (AdamW, clipping's global norm over the DTensor views,
+    # accumulation 2)
+    ddp = run_ranks(_compiled, 2, "ddp", timeout=500)
+    fsdp = run_ranks(_compiled, 2, "fsdp", timeout=500)
+    for rank in range(2):
+        assert fsdp[rank]["sharded"]
+        _close(fsdp[rank]["params"], ddp[rank]["params"], tol=1e-5)
+        _close(fsdp[rank]["params"], one["params"], tol=1e-5)
 
 
 def _wrapped(rank: int, how: str) -> str:

@@ -25,11 +25,14 @@ replicated) over a one-dimensional device mesh of the ``W`` ranks. What a step d
   optimizer step, before the precision's finite check and the clip: the optimizer then updates
   each rank's shard in place. Clipping's global norm is a DTensor reduction over every shard.
 
-``compile=True`` is refused for now (:attr:`FSDP.not_compilable` says why): traced, the gathers
-and the reduce-scatter are right (the gradients match the eager step's bitwise), but the
-compiled in-place update of DTensor parameters and optimizer state is not. ``bind`` already
-gathers every parameter at the start of a traced forward, and Inductor's C++ wrapper, which does
-not take the all-gather, is off for such graphs.
+A core (tensors in, tensors out, compiled or not) is handed each rank's plain shards:
+``wrap_core`` unwraps every DTensor at the core's boundary, and ``bind`` and ``wrap_update`` see
+them as DTensors again inside it (``DTensor.from_local``: no copy, no collective), so the
+optimizer updates plain tensors in place (``torch.compile`` does not carry out an in-place
+update of a DTensor graph input right: AdamW moved twice as far) while the clip's norm and the
+gathers stay DTensor operations. Under ``torch.compile`` every parameter is gathered at the
+start of the traced forward (units are an eager notion), and Inductor's C++ wrapper, which does
+not take the all-gather, is not used.
 
 Launch, the loaders' sharding, the driver's collectives and the metrics' sync are
 :class:`~engine.parallel.DDP`'s.
@@ -41,7 +44,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +52,7 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
+from engine import step as _step
 from engine.optim.base import GradientTransformation
 from engine.parallel.ddp import DDP
 from engine.state import TrainState
@@ -128,12 +132,6 @@ class FSDP(DDP):
         ValueError: FSDP(sharding_strategy='NO_SHARD') shards nothing: use strategy='ddp' ...
     """
 
-    not_compilable = (
-        "a compiled step does not yet update sharded (DTensor) parameters and optimizer "
-        "state in place correctly (with AdamW one step moved the parameters twice as far as "
-        "the eager step); train with compile=False under FSDP"
-    )
-
     not_journaled = (
         "the journal's fingerprints of a sharded state gather every shard, a collective that "
         "the journal, written by rank 0 alone, cannot join yet; replay of sharded runs is not "
@@ -191,6 +189,10 @@ class FSDP(DDP):
         self.cpu_offload = cpu_offload
         self.state_dict_type = state_dict_type
         self._mesh: Any = None
+        # what the cores' plain shards are DTensors of (see wrap_core)
+        self._specs: dict[_Spec, _Spec] = {}
+        self._param_specs: dict[str, _Spec] = {}
+        self._opt_specs: list[_Spec | None] = []
         # the gathered tensors alive in this step's forward, by storage (see _Saved)
         self._saved = _Saved()
 
@@ -237,6 +239,7 @@ class FSDP(DDP):
             if state.grad_accum is None
             else {k: _shard(g, mesh) for k, g in state.grad_accum.items()}
         )
+        _step.gathers_in_graph(state.module)
         if state.module is not None:
             _release(state.module)
             _Units.install(state.module, self.auto_wrap_policy, self)
@@ -246,9 +249,10 @@ class FSDP(DDP):
         """The parameters the forward reads: under compilation (or for a pure-function model)
         every one gathered here; eagerly the shards, which each unit's forward pre-hook gathers
         into its slots (see the module's docstring)."""
+        shards = {k: self._view(k, p) for k, p in params.items()}
         if module is None or torch.compiler.is_compiling():
-            return {k: self.gather(p) for k, p in params.items()}
-        return params
+            return {k: self.gather(p) for k, p in shards.items()}
+        return shards
 
     def gather(self, shard: Tensor) -> Tensor:
         """The full value of ``shard`` (a plain tensor passes), its gradient reduce-scattered
@@ -263,6 +267,103 @@ class FSDP(DDP):
                 full = full.contiguous()
             self._saved.add(full, shard)
         return full
+
+    # A core sees plain tensors: each rank's shards, unwrapped at the core's boundary
+    # (wrap_core) and seen as DTensors again inside it (bind, wrap_update), without copying.
+    # An in-place update of a DTensor that is a compiled graph's input is not carried out
+    # right by torch.compile (AdamW moved twice as far), one of a plain input is.
+
+    def _spec(self, t: Any) -> _Spec:
+        spec = _Spec(t.device_mesh, tuple(t.placements), t.shape, t.stride())
+        cached = self._specs.get(spec)
+        if cached is None:
+            cached = self._specs[spec] = spec  # one object per spec: no new guard a step
+        return cached
+
+    def _view(self, name: str, t: Tensor) -> Tensor:
+        spec = self._param_specs.get(name)
+        return t if spec is None else spec.view(t)
+
+    def wrap_core(self, core: Callable) -> Callable:
+        """``core`` (with DDP's buffer broadcast after an optimizer step) called with every
+        DTensor of its arguments as this rank's plain shard, its results wrapped again."""
+        from torch.distributed.tensor import DTensor
+
+        core = super().wrap_core(core)
+
+        def on_shards(module: Any, params: Any, buffers: Any, *args: Any) -> Any:
+            if not any(isinstance(p, DTensor) for p in params.values()):
+                return core(module, params, buffers, *args)
+            local: dict[str, Tensor] = {}
+            for k, p in params.items():
+                if isinstance(p, DTensor):
+                    self._param_specs[k] = self._spec(p)
+                    local[k] = p.to_local()
+                else:
+                    local[k] = p
+            trees: list[tuple[Any, list[_Spec | None]]] = []
+            unwrapped = []
+            for arg in args:
+                leaves, spec = pytree.tree_flatten(arg)
+                if not any(isinstance(x, DTensor) for x in leaves):
+                    unwrapped.append(arg)
+                    continue
+                specs = [self._spec(x) if isinstance(x, DTensor) else None for x in leaves]
+                trees.append((spec, specs))
+                if not (isinstance(arg, dict) and set(arg) <= set(params)):
+                    self._opt_specs = specs  # the optimizer state's: read by wrap_update
+                leaves = [x.to_local() if isinstance(x, DTensor) else x for x in leaves]
+                unwrapped.append(pytree.tree_unflatten(leaves, spec))
+            out = core(module, local, buffers, *unwrapped)
+            return self._wrapped(out, trees)
+
+        return on_shards
+
+    def _wrapped(self, out: Any, trees: list[tuple[Any, list[_Spec | None]]]) -> Any:
+        """A core's results with the shards it returned as DTensors again: a tree shaped as one
+        of its arguments (the optimizer state) by that argument's specs, a dict of the
+        parameters' names (the partial gradient sum) by the parameters'."""
+        if not isinstance(out, tuple):
+            return out
+        parts = []
+        for part in out:
+            leaves, spec = pytree.tree_flatten(part)
+            specs = next((sp for tree, sp in trees if tree == spec), None)
+            if specs is not None:
+                leaves = [
+                    x if sp is None else sp.view(x) for x, sp in zip(leaves, specs, strict=True)
+                ]
+                part = pytree.tree_unflatten(leaves, spec)
+            elif isinstance(part, dict) and part and set(part) <= set(self._param_specs):
+                part = {k: self._view(k, v) for k, v in part.items()}
+            parts.append(part)
+        return tuple(parts)
+
+    def wrap_update(self, update_fn: Any) -> Any:
+        """``update_fn`` on DTensor views of the shards it is given (the clip's global norm
+        over every rank, the optimizer on each rank's part, in place), returning plain shards
+        and whole metrics (a gradient norm, say)."""
+        from torch.distributed.tensor import DTensor
+
+        def update(grads, params, opt_state, precision, step):
+            g = {k: self._view(k, v) for k, v in grads.items()}
+            p = {k: self._view(k, v) for k, v in params.items()}
+            leaves, spec = pytree.tree_flatten(opt_state)
+            specs = self._opt_specs
+            if len(specs) == len(leaves):
+                leaves = [
+                    x if sp is None else sp.view(x) for x, sp in zip(leaves, specs, strict=True)
+                ]
+            opt, precision, metrics = update_fn(
+                g, p, pytree.tree_unflatten(leaves, spec), precision, step
+            )
+            opt = pytree.tree_map(lambda x: x.to_local() if isinstance(x, DTensor) else x, opt)
+            metrics = {
+                k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in metrics.items()
+            }
+            return opt, precision, metrics
+
+        return update
 
     def wrap_grad(self, grad_fn: Any) -> Any:
         """``grad_fn`` with what autograd saves of a gathered parameter replaced by its shard
@@ -291,6 +392,31 @@ class FSDP(DDP):
 
 
 # ---------------------------------------------------------------------- sharding
+
+
+class _Spec(NamedTuple):
+    """What a plain shard is a DTensor of: the mesh, the placements, the global shape and
+    stride."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def view(self, local: Tensor) -> Tensor:
+        """``local`` seen as the DTensor it is a shard of (no copy, no collective)."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(local, DTensor):
+            return local
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=self.shape,
+            stride=self.stride,
+        )
 
 
 def _shard(t: Tensor, mesh: Any) -> Tensor:
