@@ -282,3 +282,39 @@ def test_bf16_mixed_under_fsdp_equals_ddp():
     ddp = run_ranks(_bf16, 2, "ddp", timeout=180)
     fsdp = run_ranks(_bf16, 2, "fsdp", timeout=180)
     _close(fsdp[0], ddp[0], tol=1e-6)
+
+
+def _fp16(rank: int, kind: str) -> dict:
+    strategy = {"ddp": DDP, "fsdp": FSDP}[kind]()
+    strategy.setup()
+    tx = _tx()
+    pipeline = transforms.compose(
+        strategy=strategy, precision=transforms.precision_transform("16-mixed")
+    )
+    torch.manual_seed(0)
+    # one layer: an output's gradient reaches only its own row of the weight, and the 3 rows
+    # are sharded 2 + 1, so an overflow in output 2 is in rank 1's shard alone
+    state = pipeline.prepare(eg.TrainState.create(nn.Linear(6, 3), tx), tx)
+    step = pipeline.train_step(_loss, tx)
+    x, y = _data(8 * B * 2)
+    skipped = []
+    for i in range(8):
+        lo = i * 2 * B + rank * B
+        yb = y[lo : lo + B].clone()
+        if i == 3 and rank == 1:
+            yb[0, 2] = 1e4  # the scaled gradient of output 2 overflows float16
+        state, m = step(state, pipeline.move((x[lo : lo + B], yb)))
+        skipped.append(bool(m["skipped"]))
+    return {"params": {k: _full(v) for k, v in state.params.items()}, "skipped": skipped,
+            "scale": float(state.precision["scale"])}  # fmt: skip
+
+
+def test_16_mixed_every_rank_skips_the_step_one_rank_overflowed():
+    ddp = run_ranks(_fp16, 2, "ddp", timeout=180)
+    fsdp = run_ranks(_fp16, 2, "fsdp", timeout=180)
+    # step 3 overflows on rank 1 only (step 2 everywhere: the initial scale is too large);
+    # without agreement rank 0 would step where rank 1 skips, and the ranks part ways
+    assert all(r["skipped"][3] for r in ddp)
+    assert [r["skipped"] for r in fsdp] == [r["skipped"] for r in ddp]
+    assert fsdp[0]["scale"] == fsdp[1]["scale"] == ddp[0]["scale"]
+    _close(fsdp[0]["params"], ddp[0]["params"], tol=1e-5)

@@ -193,6 +193,7 @@ class FSDP(DDP):
         self._specs: dict[_Spec, _Spec] = {}
         self._param_specs: dict[str, _Spec] = {}
         self._opt_specs: list[_Spec | None] = []
+        self._loss_scaled = False
         # the gathered tensors alive in this step's forward, by storage (see _Saved)
         self._saved = _Saved()
 
@@ -240,6 +241,9 @@ class FSDP(DDP):
             else {k: _shard(g, mesh) for k, g in state.grad_accum.items()}
         )
         _step.gathers_in_graph(state.module)
+        # a loss scale's finite check sees this rank's shards only: reduce makes any rank's
+        # non-finite gradient every rank's, so every rank skips the same steps
+        self._loss_scaled = state.precision is not None
         if state.module is not None:
             _release(state.module)
             _Units.install(state.module, self.auto_wrap_policy, self)
@@ -388,10 +392,27 @@ class FSDP(DDP):
         if world == 1:
             return grads
         names, values = list(grads), list(grads.values())
-        return dict(zip(names, torch._foreach_div(values, float(world)), strict=True))
+        values = list(torch._foreach_div(values, float(world)))
+        if self._loss_scaled:
+            values = _agree_finite(values)
+        return dict(zip(names, values, strict=True))
 
 
 # ---------------------------------------------------------------------- sharding
+
+
+def _agree_finite(grads: list[Tensor]) -> list[Tensor]:
+    """``grads`` unchanged where every rank's are finite, else NaN on every rank: one scalar
+    all-reduce (a functional collective under compilation)."""
+    ok = torch.stack([torch.isfinite(g).all() for g in grads]).all().to(torch.float32)
+    if torch.compiler.is_compiling():
+        import torch.distributed._functional_collectives as funcol
+
+        ok = funcol.all_reduce(ok, "min", dist.group.WORLD)  # type: ignore[arg-type]
+    else:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    poison = torch.where(ok > 0, 1.0, float("nan")).to(grads[0].dtype)
+    return list(torch._foreach_mul(grads, poison))
 
 
 class _Spec(NamedTuple):
