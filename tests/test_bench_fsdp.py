@@ -88,6 +88,10 @@ def test_benchmark_json_on_two_ranks() -> None:
         assert r[f"{kind}_step_peak_bytes"] < r["ddp_step_peak_bytes"]
         lo, hi = r[f"{kind}_step_peak_above_held_range_bytes"]
         assert 0 < lo <= r[f"{kind}_step_peak_above_held_bytes"] <= hi
+    # ZeRO-2 keeps every block's gathered weights to the backward, ZeRO-3 frees each after its
+    # forward: at the forward's end ZeRO-3 holds less, ZeRO-2 at least the full weights
+    assert r["zero3_forward_peak_bytes"] < r["zero2_forward_peak_bytes"]
+    assert r["zero2_forward_peak_above_held_bytes"] >= 4 * numel - r["zero2_held_params_bytes"]
     for kind in fsdp.VARIANTS:
         assert r[f"{kind}_step_ms"] > 0
     assert r["zero2_vs_ddp_step_ratio"] > 0 and r["ddp_vs_torch_ddp_step_ratio"] > 0
