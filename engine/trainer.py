@@ -618,7 +618,7 @@ class Trainer(FlagViews):
         """The run as a checkpoint holds it (besides the listeners' states)."""
         assert self._state is not None
         return RunRecord(
-            self._state,
+            self._strategy.checkpoint_state(self._state),
             self._progress,
             self.stage,
             self.config,

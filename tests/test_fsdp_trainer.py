@@ -48,6 +48,8 @@ SCRIPT = textwrap.dedent(
     )
     out = trainer.fit(task, task.init(model, seed=0), loader, val)
     sharded = is_sharded(out)
+    if args.get("save"):  # every rank, as Lightning's save_checkpoint
+        trainer.save_checkpoint(os.path.join(args["root"], "saved"))
     tested = trainer.test(task, out, val, verbose=False)[0]
     predicted = trainer.predict(task, out, DataLoader(ds, batch_size=40))
     def full(t):
@@ -151,3 +153,28 @@ def test_a_spawned_fsdp_run_returns_the_whole_state(tmp_path):
     )
     _ok(proc)
     assert "returned 4 (7, 6) (4, 3)" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_state_dict_type_decides_the_checkpoints_layout(tmp_path, kind):
+    import torch
+
+    import engine as eg
+    from engine import checkpoint, optim
+
+    script = _script(tmp_path)
+    root = tmp_path / kind
+    args = {"devices": 2, "batch": 8, "root": str(root), "strategy": "fsdp", "save": True,
+            "options": {"state_dict_type": kind}}  # fmt: skip
+    _ok(_torchrun(script, args))
+    saved = root / "saved"
+    meta = checkpoint.inspect(saved)
+    assert (meta.get("layout") == "sharded") == (kind == "sharded"), meta.get("layout")
+    assert (saved / "tensors.pt").exists() == (kind == "full")
+    # either loads on one process as the run's gathered state
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    template = eg.TrainState.create(model, optim.adamw(1e-2, weight_decay=0.01))
+    back = checkpoint.load(saved, template)
+    final = _final(root)
+    assert back.step == final["step"] == 10
+    _close(back.params, final["params"], tol=0.0)

@@ -249,6 +249,11 @@ class FSDP(DDP):
             _Units.install(state.module, self.auto_wrap_policy, self)
         return state.replace(params=params, opt_state=opt_state, grad_accum=grad_accum)
 
+    def checkpoint_state(self, state: TrainState) -> TrainState:
+        """``state_dict_type="full"``: the state gathered whole (every rank joins), so rank 0
+        writes an ordinary checkpoint; ``"sharded"``: the shards, which every rank writes."""
+        return full_state(state) if self.state_dict_type == "full" else state
+
     def bind(self, module: Any, params: dict[str, Tensor]) -> dict[str, Tensor]:
         """The parameters the forward reads: under compilation (or for a pure-function model)
         every one gathered here; eagerly the shards, which each unit's forward pre-hook gathers

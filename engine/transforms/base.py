@@ -160,6 +160,11 @@ class Strategy(Transform):
     #: runs without its journal, saying so, and refuses a Journal given as a callback
     not_journaled: str | None = None
 
+    def checkpoint_state(self, state: TrainState) -> TrainState:
+        """The state as the Trainer's checkpoints hold it (called on every rank that saves):
+        the state itself, or a sharding strategy's gathered whole (``state_dict_type="full"``)."""
+        return state
+
     @property
     def world_size(self) -> int:
         """The number of processes."""
