@@ -36,12 +36,12 @@ What is measured, per rank (rank 0's figures; rank 1's are the same up to an une
   ``memory_allocated()`` before); the median of three such measurements, the garbage collector
   off in each (their range is in the JSON). It counts what torch's allocator hands out
   (activations, gradients, gathered parameters, the optimizer's temporaries, the collectives'
-  output buffers), not gloo's own buffers nor Python objects. ``*_step_peak_bytes`` is held
-  plus that: the state and the step's transients at the step's high-water mark.
-  ``*_forward_peak_above_held_bytes``: the same peak up to the end of the forward pass (the
-  model's forward hook marks it), where ZeRO-3 frees each block's gathered weights, and
-  ``*_forward_peak_bytes`` held plus that (``torch_ddp`` frees last step's ``.grad`` before
-  its forward: its forward stays below the step's start, 0);
+  output buffers), not gloo's own buffers nor Python objects. ``*_step_peak_bytes`` is that
+  plus ``*_step_start_bytes``, what the variant holds as its step begins (parameters,
+  optimizer state, and for ``torch_ddp`` last step's ``.grad``, which its ``zero_grad`` frees
+  first: its figure above the start is small, 0 up to the forward's end).
+  ``*_forward_peak_bytes``: the same up to the end of the forward pass (the model's forward
+  hook marks it), where ZeRO-3 has freed each block's gathered weights and ZeRO-2 not;
 * **time**: ms per optimizer step, the variants run interleaved, round by round (the order
   rotated), a barrier before and after each timed block (a block is the slower rank's time); a
   ratio is the median over rounds of the per-round ratio.
@@ -309,7 +309,7 @@ def step_peaks(run: Run, device: torch.device, lead: int = 2) -> tuple[int, int 
     freed = [i for i, (_, size) in enumerate(events) if size == -MARK]
     if not freed:
         raise RuntimeError("benchmarks.fsdp: the profiler did not record the marker allocation")
-    live = peak = 0
+    live = peak = 0  # the level the step starts from counts: a step that frees first peaks at 0
     fwd: int | None = None
     for _, size in events[freed[-1] + 1 :]:
         if size == FORWARD_MARK and fwd is None:
@@ -328,14 +328,18 @@ def memory(
     barrier: Callable[[], None],
     repeat: int = 3,
 ) -> dict[str, dict[str, int]]:
-    """Per variant: its held bytes (and the gradient sum an ``accumulate=2`` pipeline keeps
-    between its micro-batches), and its step's peak above them (the median of ``repeat``
-    measurements, the garbage collector off in each, and their least and greatest)."""
+    """Per variant: its held bytes (the gradients: the sum an ``accumulate=2`` pipeline keeps
+    between its micro-batches), what is allocated as its step begins, and its step's peak
+    above that (the median of ``repeat`` measurements, the garbage collector off in each, and
+    their least and greatest), whole and up to the forward's end."""
     out: dict[str, dict[str, int]] = {}
     b = data(sizes["width"], sizes["batch"], seed=1000 + rank)
     for name, v in runs.items():
         barrier()
         held = v.held()
+        # what is allocated as the step begins: the state, and the gradients this variant keeps
+        # from the last step (torch's .grad; engine's step keeps none with accumulate=1)
+        start = held["params"] + held["opt_state"] + held["grads"]
         peaks, forwards = [], []
         for _ in range(repeat):
             barrier()
@@ -356,10 +360,13 @@ def memory(
             del acc
         barrier()
         held["total"] = held["params"] + held["opt_state"] + held["grads"]
-        out[name] = {**held, "step_peak_above_held": peak, "step_peak": held["total"] + peak}
-        out[name]["forward_peak_above_held"] = int(statistics.median(forwards))
-        out[name]["step_peak_above_held_min"] = min(peaks)
-        out[name]["step_peak_above_held_max"] = max(peaks)
+        fwd = int(statistics.median(forwards))
+        out[name] = {**held, "start": start, "step_peak_above_start": peak}
+        out[name]["step_peak"] = start + peak
+        out[name]["forward_peak_above_start"] = fwd
+        out[name]["forward_peak"] = start + fwd
+        out[name]["step_peak_above_start_min"] = min(peaks)
+        out[name]["step_peak_above_start_max"] = max(peaks)
     return out
 
 
@@ -411,25 +418,21 @@ def figures(
     for name, m in mem.items():
         for part in ("params", "opt_state", "grads", "total"):
             out[f"{name}_held_{part}_bytes"] = m[part]
-        out[f"{name}_step_peak_above_held_bytes"] = m["step_peak_above_held"]
-        out[f"{name}_step_peak_above_held_range_bytes"] = [
-            m["step_peak_above_held_min"],
-            m["step_peak_above_held_max"],
+        out[f"{name}_step_start_bytes"] = m["start"]
+        out[f"{name}_step_peak_above_start_bytes"] = m["step_peak_above_start"]
+        out[f"{name}_step_peak_above_start_range_bytes"] = [
+            m["step_peak_above_start_min"],
+            m["step_peak_above_start_max"],
         ]
         out[f"{name}_step_peak_bytes"] = m["step_peak"]
-        out[f"{name}_forward_peak_above_held_bytes"] = m["forward_peak_above_held"]
-        out[f"{name}_forward_peak_bytes"] = m["total"] + m["forward_peak_above_held"]
+        out[f"{name}_forward_peak_above_start_bytes"] = m["forward_peak_above_start"]
+        out[f"{name}_forward_peak_bytes"] = m["forward_peak"]
     for name in (*SHARDED, "torch_ddp"):
         m = mem[name]
         for part in ("params", "opt_state", "grads", "total"):
             out[f"{name}_vs_ddp_held_{part}_ratio"] = m[part] / ddp[part] if ddp[part] else None
-        out[f"{name}_vs_ddp_step_peak_above_held_ratio"] = (
-            m["step_peak_above_held"] / ddp["step_peak_above_held"]
-        )
         out[f"{name}_vs_ddp_step_peak_ratio"] = m["step_peak"] / ddp["step_peak"]
-        out[f"{name}_vs_ddp_forward_peak_ratio"] = (m["total"] + m["forward_peak_above_held"]) / (
-            ddp["total"] + ddp["forward_peak_above_held"]
-        )
+        out[f"{name}_vs_ddp_forward_peak_ratio"] = m["forward_peak"] / ddp["forward_peak"]
     for name, t in times.items():
         out[f"{name}_step_ms"] = statistics.median(t) * 1e3
     for name in SHARDED:

@@ -79,6 +79,7 @@ def test_benchmark_json_on_two_ranks() -> None:
     assert r["ddp_held_params_bytes"] == r["ddp_held_grads_bytes"] == 4 * numel
     assert 8 * numel <= r["ddp_held_opt_state_bytes"] <= 8 * numel + 1024
     assert r["torch_ddp_vs_ddp_held_total_ratio"] == 1.0  # torch's DDP holds the same
+    assert r["torch_ddp_step_start_bytes"] == r["torch_ddp_held_total_bytes"]  # with its .grad
     for kind in fsdp.SHARDED:
         # every dim 0 of this model is even: each rank holds exactly half of each parameter
         assert r[f"{kind}_vs_ddp_held_params_ratio"] == 0.5
@@ -86,12 +87,15 @@ def test_benchmark_json_on_two_ranks() -> None:
         assert 0.5 <= r[f"{kind}_vs_ddp_held_opt_state_ratio"] < 0.501  # counters replicated
         assert r["rank1_held_total_bytes"][kind] == r[f"{kind}_held_total_bytes"]
         assert r[f"{kind}_step_peak_bytes"] < r["ddp_step_peak_bytes"]
-        lo, hi = r[f"{kind}_step_peak_above_held_range_bytes"]
-        assert 0 < lo <= r[f"{kind}_step_peak_above_held_bytes"] <= hi
+        lo, hi = r[f"{kind}_step_peak_above_start_range_bytes"]
+        assert 0 < lo <= r[f"{kind}_step_peak_above_start_bytes"] <= hi
+        # engine's step keeps no gradients between steps (accumulate=1): it starts from the state
+        held = r[f"{kind}_held_params_bytes"] + r[f"{kind}_held_opt_state_bytes"]
+        assert r[f"{kind}_step_start_bytes"] == held
     # ZeRO-2 keeps every block's gathered weights to the backward, ZeRO-3 frees each after its
     # forward: at the forward's end ZeRO-3 holds less, ZeRO-2 at least the full weights
     assert r["zero3_forward_peak_bytes"] < r["zero2_forward_peak_bytes"]
-    assert r["zero2_forward_peak_above_held_bytes"] >= 4 * numel - r["zero2_held_params_bytes"]
+    assert r["zero2_forward_peak_above_start_bytes"] >= 4 * numel  # all the weights, gathered
     for kind in fsdp.VARIANTS:
         assert r[f"{kind}_step_ms"] > 0
     assert r["zero2_vs_ddp_step_ratio"] > 0 and r["ddp_vs_torch_ddp_step_ratio"] > 0
