@@ -46,8 +46,18 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
 from engine import _meta
-from engine import checkpoint as ckpt
 from engine._checksum import _checksum, _start_checksum
+from engine._ckpt_files import (
+    META,
+    _Claim,
+    _describe,
+    _flatten,
+    _fsync_dir,
+    _publish,
+    _replaceable,
+    _short,
+    _write_failed,
+)
 from engine._meta import SHARDED, SHARDS
 from engine.errors import CheckpointError
 from engine.optim.base import state_dict as opt_state_dict
@@ -150,10 +160,10 @@ def _prepare(
                 "rank_grad_accum= is for a replicated (data-parallel) state; a sharded state's "
                 "accumulated gradients are DTensors, saved as its grad_accum"
             )
-        ckpt._replaceable(target)  # every rank: a refusal is agreed on below
-        tensors, scalars = ckpt._flatten(state, weights_only)
+        _replaceable(target)  # every rank: a refusal is agreed on below
+        tensors, scalars = _flatten(state, weights_only)
         if rank == 0:
-            meta = ckpt._describe(state, scalars, metrics, extra, False, weights_only)
+            meta = _describe(state, scalars, metrics, extra, False, weights_only)
     except BaseException as e:
         problem = e
     _agree(problem, target, "before writing")
@@ -244,7 +254,7 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
         problem, name = None, None
         if rank == 0:
             try:
-                claim = ckpt._Claim(target.parent).__enter__()
+                claim = _Claim(target.parent).__enter__()
                 tmp = claim.path("")
                 (tmp / SHARDS).mkdir(parents=True)
                 name = os.fspath(tmp)
@@ -295,7 +305,7 @@ def _failed(target: Path, e: BaseException) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
     if isinstance(e, OSError):
-        return ckpt._write_failed(target, e, ckpt.META, (target / ckpt.META).is_file())
+        return _write_failed(target, e, META, (target / META).is_file())
     return CheckpointError(f"the sharded save of {target} failed on rank 0: {e}")
 
 
@@ -303,18 +313,18 @@ def _commit(meta: dict[str, Any], tmp: Path, target: Path, claim: Any) -> None:
     """Rank 0: hash the shards, write ``meta.json`` last, make it durable, rename it into
     place."""
     shards = tmp / SHARDS
-    ckpt._fsync_dir(shards)
+    _fsync_dir(shards)
     names = sorted(p.name for p in shards.iterdir())
     files, sizes = {}, {}
     for n in names:
         files[f"{SHARDS}/{n}"] = _checksum(shards / n)
         sizes[f"{SHARDS}/{n}"] = os.path.getsize(shards / n)
-    with open(tmp / ckpt.META, "wb") as out:
+    with open(tmp / META, "wb") as out:
         out.write(_meta.encode({**meta, "files": files, "sizes": sizes}))
         out.flush()
         os.fsync(out.fileno())
-    ckpt._fsync_dir(tmp)
-    ckpt._publish(claim, tmp, target)
+    _fsync_dir(tmp)
+    _publish(claim, tmp, target)
 
 
 # --------------------------------------------------------------------------- loading
@@ -328,7 +338,7 @@ def verify(root: Path, meta: Mapping[str, Any]) -> None:
     inside = os.path.realpath(root / SHARDS)
     for name in files:
         if not _meta.shard_name(name):
-            raise CheckpointError(_meta.not_plain(root / ckpt.META, name))
+            raise CheckpointError(_meta.not_plain(root / META, name))
         file = root / name
         try:
             st = os.lstat(file)
@@ -355,7 +365,7 @@ def verify(root: Path, meta: Mapping[str, Any]) -> None:
             if actual != expected:
                 raise CheckpointError(
                     f"{root / name}: checksum check failed ({expected.rpartition(':')[0]} "
-                    f"expected {ckpt._short(expected)}..., got {ckpt._short(actual)}...); the "
+                    f"expected {_short(expected)}..., got {_short(actual)}...); the "
                     "file is truncated or damaged"
                 )
     except OSError as e:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import engine as eg
-from engine import _meta, checkpoint, optim
+from engine import _ckpt_files, _meta, checkpoint, optim
 
 KILLED = 77
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -41,7 +41,7 @@ def _state(scale: float) -> eg.TrainState:
 
 OLD, NEW = _state(1.0), _state(2.0)
 PRINTS = {OLD.fingerprint(): "old", NEW.fingerprint(): "new"}
-TRACED = {checkpoint.__file__, _meta.__file__, shutil.__file__}
+TRACED = {checkpoint.__file__, _ckpt_files.__file__, _meta.__file__, shutil.__file__}
 
 
 def _run_killed_at(line: int, operation: Callable[[], object]) -> bool:
