@@ -59,7 +59,9 @@ def _refuse_wrapped(module: nn.Module) -> None:
     gradients). Name the wrapper and say what to pass instead."""
     wrappers: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
     sharded: tuple[type, ...] = ()
-    if torch.distributed.is_available():
+    # only a process that imported torch's sharding can hold its modules or DTensors (the
+    # import alone costs ~0.8 s: never paid here)
+    if torch.distributed.is_available() and "torch.distributed.tensor" in sys.modules:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
         from torch.distributed.tensor import DTensor
 
