@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import engine as eg
@@ -24,6 +23,7 @@ from engine.parallel.fsdp import FSDP, is_sharded
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import run_ranks
+from test_ddp import _data, _loss, _tx  # the same data, loss and optimizer as DDP's tests
 
 pytestmark = pytest.mark.slow
 
@@ -44,20 +44,6 @@ def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     # 7 rows in the first weight: shards of 4 and 3 rows (uneven); the head's bias has 3 < 4
     return nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5), Block(5), nn.Linear(5, 3))
-
-
-def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(123)
-    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
-
-
-def _loss(model, batch):
-    x, y = batch
-    return F.mse_loss(model(x), y)
-
-
-def _tx() -> optim.GradientTransformation:
-    return optim.adamw(1e-2, weight_decay=0.01)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

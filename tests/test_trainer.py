@@ -191,8 +191,13 @@ BAD_FLAGS = [
 
 # values Lightning accepts that need processes this release lacks
 STRATEGY_REFUSALS = [
-    ({"strategy": "fsdp"}, "strategy='fsdp'", "FSDP2"),
-    ({"strategy": "deepspeed"}, "strategy='deepspeed'", "torch.distributed"),
+    ({"strategy": "dp"}, "strategy='dp'", "strategy='ddp'"),
+    ({"strategy": "xla"}, "strategy='xla'", "CPU, CUDA and MPS"),
+    (
+        {"strategy": "deepspeed_stage_3_offload_nvme"},
+        "strategy='deepspeed_stage_3_offload_nvme'",
+        "no FSDP2 equivalent",
+    ),
     ({"strategy": "tpu_spawn"}, "strategy='tpu_spawn'", "'ddp_spawn'"),
     ({"strategy": 3}, "strategy=3", "engine.parallel.DDP"),
     ({"strategy": "single_device", "devices": 2}, "single_device", "strategy='ddp'"),
