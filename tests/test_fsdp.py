@@ -246,12 +246,12 @@ def test_a_plain_module_and_data_parallel():
     assert eg.TrainState.create(nn.Linear(2, 2), optim.sgd(0.1)).step == 0
 
 
-def _bf16(rank: int, kind: str) -> dict:
+def _bf16(rank: int, kind: str, precision: str = "bf16-mixed") -> dict:
     strategy = {"ddp": DDP, "fsdp": FSDP}[kind]()
     strategy.setup()
     tx = _tx()
     pipeline = transforms.compose(
-        strategy=strategy, precision=transforms.precision_transform("bf16-mixed")
+        strategy=strategy, precision=transforms.precision_transform(precision)
     )
     state = pipeline.prepare(eg.TrainState.create(_model(0), tx), tx)
     step = pipeline.train_step(_loss, tx)
@@ -268,6 +268,15 @@ def test_bf16_mixed_under_fsdp_equals_ddp():
     ddp = run_ranks(_bf16, 2, "ddp", timeout=180)
     fsdp = run_ranks(_bf16, 2, "fsdp", timeout=180)
     _close(fsdp[0], ddp[0], tol=1e-6)
+
+
+def test_bf16_true_under_fsdp_keeps_bfloat16_shards_and_trains_as_ddp():
+    ddp = run_ranks(_bf16, 2, "ddp", "bf16-true", timeout=180)
+    fsdp = run_ranks(_bf16, 2, "fsdp", "bf16-true", timeout=180)
+    assert {v.dtype for v in fsdp[0].values()} == {torch.bfloat16}
+    # two ranks' gradients are one addition either way (reduce-scatter or all-reduce), the
+    # gathers exact: bitwise (measured), in bfloat16 throughout
+    _close(fsdp[0], ddp[0], tol=0.0)
 
 
 def _fp16(rank: int, kind: str) -> dict:
