@@ -157,7 +157,7 @@ class Checkpointer:
         state = run.state
         if self.world_size == 1 or state.grad_accum is None or self._rank_zero_alone:
             return run
-        if checkpoint._is_sharded(state):  # its grad_accum: DTensors, saved by every rank
+        if state.sharded:  # its grad_accum: DTensors, saved by every rank
             return run
         return run._replace(rank_grad_accum=gather_to_rank_zero(state.grad_accum))
 
@@ -176,7 +176,7 @@ class Checkpointer:
         A sharded state (``strategy="fsdp"``) is written by every rank together
         (``checkpoint.save`` is a collective: each rank writes its shards, rank 0 the
         ``meta.json``); a listener that runs on rank 0 alone cannot save one."""
-        sharded = checkpoint._is_sharded(run.state)
+        sharded = run.state.sharded
         if sharded and self._rank_zero_alone:
             raise checkpoint.CheckpointError(
                 f"the checkpoint {os.fspath(filepath)} was asked for by a listener that runs on "

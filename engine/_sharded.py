@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils import _pytree as pytree
 
 from engine import _meta
 from engine._checksum import _checksum, _start_checksum
@@ -66,14 +65,6 @@ from engine.state import TrainState
 __all__: list[str] = []
 
 _INDEX = ".metadata"  # DCP's index file, in shards/
-
-
-def is_sharded(state: TrainState) -> bool:
-    """Whether any tensor of ``state`` is a DTensor (parameters, gradients, optimizer state)."""
-    groups = (state.params, state.buffers, state.grad_accum or {})
-    if any(isinstance(t, DTensor) for g in groups for t in g.values()):
-        return True
-    return any(isinstance(x, DTensor) for x in pytree.tree_leaves(state.opt_state))
 
 
 # --------------------------------------------------------------------------- saving

@@ -213,7 +213,7 @@ def save(
     """
     _is_state(state, path, "save")
     state.check_alive("checkpoint.save()")
-    if _is_sharded(state):  # a collective: every rank writes its shards (engine/_sharded.py)
+    if state.sharded:  # a collective: every rank writes its shards (engine/_sharded.py)
         from engine import _sharded
 
         return _sharded.save(
@@ -324,7 +324,7 @@ def save_async(
     """
     _is_state(state, path, "save_async")
     state.check_alive("checkpoint.save_async()")
-    if _is_sharded(state):  # every rank writes its shards (engine/_sharded.py)
+    if state.sharded:  # every rank writes its shards (engine/_sharded.py)
         from engine import _sharded
 
         try:
@@ -879,20 +879,11 @@ def load(path: str | os.PathLike[str], template: TrainState, *, rank: int = 0) -
         _tree.to_json(getattr(template, name), name, shaped)
         devices.update((k, t.device) for k, t in shaped.items())
     tensors = _verified_tensors(root, meta, devices)
-    if _is_sharded(template):  # a full checkpoint resumed sharded: each rank takes its shards
+    if template.sharded:  # a full checkpoint resumed sharded: each rank takes its shards
         from engine import _sharded
 
         tensors = _sharded.placed_like(template, tensors)
     return _assemble(root, meta, template, tensors, rank)
-
-
-def _is_sharded(state: TrainState) -> bool:
-    """Whether ``state`` holds a DTensor (a sharded state: saved by every rank together)."""
-    if "torch.distributed.tensor" not in sys.modules:  # nothing made a DTensor in this process
-        return False
-    from engine import _sharded
-
-    return _sharded.is_sharded(state)
 
 
 def _assemble(

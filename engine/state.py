@@ -59,6 +59,7 @@ def _refuse_wrapped(module: nn.Module) -> None:
     gradients). Name the wrapper and say what to pass instead."""
     wrappers: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
     sharded: tuple[type, ...] = ()
+    fsdp2: tuple[type, ...] = ()
     # only a process that imported torch's sharding can hold its modules or DTensors (the
     # import alone costs ~0.8 s: never paid here)
     if torch.distributed.is_available() and "torch.distributed.tensor" in sys.modules:
@@ -66,11 +67,11 @@ def _refuse_wrapped(module: nn.Module) -> None:
         from torch.distributed.tensor import DTensor
 
         wrappers = (*wrappers, FullyShardedDataParallel, FSDPModule)
-        sharded = (DTensor,)
+        sharded, fsdp2 = (DTensor,), (FSDPModule,)
     for name, sub in module.named_modules():
         if isinstance(sub, wrappers):
             where = f"its submodule {name!r} is" if name else "it is"
-            kind = "fully_shard (FSDP2)" if "FSDP" in type(sub).__name__ else type(sub).__name__
+            kind = "fully_shard (FSDP2)" if isinstance(sub, fsdp2) else type(sub).__name__
             raise TypeError(
                 f"the module passed to TrainState.create / task.init is wrapped: {where} a "
                 f"{kind} module. Pass the plain module and choose a strategy instead "
@@ -225,6 +226,24 @@ class TrainState:
         self.check_alive("copy()")
         cloned = pytree.tree_map(_clone_leaf, self)
         return attrs.evolve(cloned, _ownership=_Ownership())
+
+    @property
+    def sharded(self) -> bool:
+        """Whether any of the state's tensors is a DTensor (``engine.parallel.FSDP`` sharded
+        it): such a state is saved, gathered and fingerprinted by every rank together.
+
+        Example:
+            >>> import torch
+            >>> from engine import optim
+            >>> TrainState.create(torch.nn.Linear(2, 1), optim.sgd(0.1)).sharded
+            False
+        """
+        if "torch.distributed.tensor" not in sys.modules:  # nothing made a DTensor here
+            return False
+        from torch.distributed.tensor import DTensor
+
+        tensors = (self.params, self.buffers, self.grad_accum, self.opt_state)
+        return any(isinstance(t, DTensor) for t in pytree.tree_leaves(tensors))
 
     # ------------------------------------------------------------------ donation
 

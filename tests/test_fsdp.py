@@ -19,7 +19,7 @@ from torch import nn
 import engine as eg
 from engine import optim, transforms
 from engine.parallel import DDP
-from engine.parallel.fsdp import FSDP, is_sharded
+from engine.parallel.fsdp import FSDP
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import run_ranks
@@ -69,7 +69,7 @@ def _train(rank: int, kind: str, accumulate: int, options: dict, world: int = 2)
     )
     # rank 1 builds other weights: prepare must give it rank 0's
     state = pipeline.prepare(eg.TrainState.create(_model(0 if rank == 0 else 99), tx), tx)
-    sharded = is_sharded(state)
+    sharded = state.sharded
     step = pipeline.train_step(_loss, tx)
     evaluate = pipeline.eval_step(_loss)
     x, y = _data(STEPS * accumulate * 2 * B)

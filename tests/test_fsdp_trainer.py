@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     from torch.utils.data import DataLoader, TensorDataset
     import engine as eg
     from engine import optim
-    from engine.parallel.fsdp import FSDP, is_sharded
+    from engine.parallel.fsdp import FSDP
 
     args = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
         enable_checkpointing=False,
     )
     out = trainer.fit(task, task.init(model, seed=0), loader, val)
-    sharded = is_sharded(out)
+    sharded = out.sharded
     if args.get("save"):  # every rank, as Lightning's save_checkpoint
         trainer.save_checkpoint(os.path.join(args["root"], "saved"))
     tested = trainer.test(task, out, val, verbose=False)[0]
@@ -110,7 +110,7 @@ SPAWN = textwrap.dedent(
     from torch.utils.data import DataLoader, TensorDataset
     import engine as eg
     from engine import optim
-    from engine.parallel.fsdp import FSDP, is_sharded
+    from engine.parallel.fsdp import FSDP
 
     def main():
         torch.set_num_threads(1)
@@ -126,7 +126,7 @@ SPAWN = textwrap.dedent(
             enable_checkpointing=False, logger=False, enable_journal=False,
         )
         out = trainer.fit(task, task.init(model, seed=0), DataLoader(ds, batch_size=8))
-        assert not is_sharded(out), "a spawned run returns the whole state"
+        assert not out.sharded, "a spawned run returns the whole state"
         x = torch.randn(4, 6)
         y = eg.ModelView(out.module, out.params, out.buffers)(x)  # usable in the caller
         print("returned", out.step, tuple(out.params["0.weight"].shape), tuple(y.shape))

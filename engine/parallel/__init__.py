@@ -14,7 +14,7 @@ that say who each process is, and the launchers that start them.
 
 from engine.parallel.ddp import DDP
 from engine.parallel.deepspeed import DeepSpeedStrategy
-from engine.parallel.fsdp import FSDP, full_state, is_sharded
+from engine.parallel.fsdp import FSDP, full_state
 from engine.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from engine.transforms.base import Strategy
 from engine.transforms.common import SingleProcess
@@ -28,5 +28,4 @@ __all__ = [
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "full_state",
-    "is_sharded",
 ]

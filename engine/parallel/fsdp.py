@@ -57,20 +57,10 @@ from engine.optim.base import GradientTransformation
 from engine.parallel.ddp import DDP
 from engine.state import TrainState
 
-__all__ = ["FSDP", "full_state", "is_sharded"]
+__all__ = ["FSDP", "full_state"]
 
 _SHARDING = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 _STATE_DICT_TYPES = ("sharded", "full")
-
-
-def is_sharded(state: TrainState) -> bool:
-    """Whether any of ``state``'s tensors is a ``DTensor`` (a state :class:`FSDP` prepared)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(
-        isinstance(t, DTensor)
-        for t in pytree.tree_leaves((state.params, state.opt_state, state.grad_accum))
-    )
 
 
 def full_state(state: TrainState) -> TrainState:
@@ -79,7 +69,7 @@ def full_state(state: TrainState) -> TrainState:
 
     This is what a ``start_method="spawn"`` run returns to its caller, which has no process
     group to hold shards in; a checkpoint of the full state is ``checkpoint.export``'s."""
-    if not is_sharded(state):
+    if not state.sharded:
         return state
     from torch.distributed.tensor import DTensor
 
@@ -219,7 +209,7 @@ class FSDP(DDP):
     def prepare(self, state: TrainState, tx: GradientTransformation | None = None) -> TrainState:
         """``state`` with this rank's shards of its parameters, partial gradient sum and
         optimizer state (rank 0's values: broadcast first); a sharded state as it is."""
-        if is_sharded(state):
+        if state.sharded:
             return state
         state = super().prepare(state)  # rank 0's bits everywhere (and synced batch norms)
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -397,7 +387,7 @@ class FSDP(DDP):
         if world == 1:
             return grads
         names, values = list(grads), list(grads.values())
-        values = list(torch._foreach_div(values, float(world)))
+        torch._foreach_div_(values, float(world))  # the step's own gradients: no copy a step
         if self._loss_scaled:
             values = _agree_finite(values)
         return dict(zip(names, values, strict=True))
