@@ -331,6 +331,9 @@ class _Checker(Listener):
         # vouches for all: the replay starts from one)
         self.matched = dict.fromkeys(_COMPARED, start_step)
         self.transitions: _Transitions | None = None
+        #: a follower compares nothing: it computes the fingerprints a checking rank computes,
+        #: at the same points (a sharded state's fingerprint is a collective), see _Follower
+        self.follows = False
 
     def on_train_start(self, rec: EventRecord) -> None:
         state = rec.state
@@ -338,6 +341,8 @@ class _Checker(Listener):
         journaled = self.start_line.get("fingerprint")
         if journaled is not None:
             actual = _fingerprint(state, journaled)
+            if self.follows:
+                return
             if actual != journaled:
                 raise _WrongStart(journaled, actual)
             self.compared += 1
@@ -345,7 +350,8 @@ class _Checker(Listener):
     def on_train_batch_start(self, rec: EventRecord) -> None:
         assert rec.state is not None
         self.current = rec.state.step + 1
-        self._overdue(rec.state, _state_key(rec.state))
+        if not self.follows:
+            self._overdue(rec.state, _state_key(rec.state))
 
     def in_span(self) -> bool:
         """Whether the step being executed is one anomaly detection was asked for."""
@@ -355,6 +361,9 @@ class _Checker(Listener):
     def on_train_batch_end(self, rec: EventRecord) -> None:
         state = rec.state
         assert state is not None
+        due = self._due(state)  # its collective first: nothing before it can raise
+        if self.follows:
+            return
         loss = rec.outputs.get("loss") if isinstance(rec.outputs, Mapping) else None
         value = float(loss) if loss is not None else None
         self.positions[(state.step, state.micro_step)] = (state.epoch, state.batch_idx)
@@ -378,7 +387,7 @@ class _Checker(Listener):
                     raise _Diverged.at(state, {"loss": (journaled, value)}, after, number)
                 self.loss_steps.add(state.step)
                 self.matched["loss"] = state.step
-        self._compare_at(rec, value if state.micro_step == 0 else None)
+        self._compare_at(rec, value if state.micro_step == 0 else None, due)
 
     def on_train_epoch_start(self, rec: EventRecord) -> None:
         self._compare_at(rec, None)
@@ -390,6 +399,8 @@ class _Checker(Listener):
         state = rec.state
         assert state is not None
         self._compare_at(rec, None)
+        if self.follows:
+            return
         self._overdue(state, None)  # nothing is reached after this
         if self.transitions is not None:
             self.compared += self.transitions.compared
@@ -407,14 +418,27 @@ class _Checker(Listener):
                 state, {"loss": (entries[0][0], None)}, self.matched["loss"], entries[0][1]
             )
 
-    def _compare_at(self, rec: EventRecord, loss: float | None) -> None:
+    def _due(self, state: TrainState) -> tuple[list[dict[str, Any]], str | None]:
+        """The lines to compare at the state's position, and the state's fingerprint if one of
+        them holds one. Every rank of a sharded run computes it here together (a collective),
+        a follower included, before anything in the event can raise: the ranks make the same
+        collectives up to the stop they agree on."""
+        lines = self.pending.pop(_state_key(state), None) or []
+        journaled = next((x["fingerprint"] for x in lines if "fingerprint" in x), None)
+        return lines, None if journaled is None else _fingerprint(state, journaled)
+
+    def _compare_at(
+        self,
+        rec: EventRecord,
+        loss: float | None,
+        due: tuple[list[dict[str, Any]], str | None] | None = None,
+    ) -> None:
         state = rec.state
         assert state is not None
-        lines = self.pending.pop(_state_key(state), None)
-        if not lines:
+        lines, fingerprint = self._due(state) if due is None else due
+        if not lines or self.follows:
             return
         compared: set[str] = set()
-        fingerprint = None
         for line in lines:
             diffs: dict[str, tuple[Any, Any]] = {}
             if "loss" in line:
@@ -428,7 +452,6 @@ class _Checker(Listener):
                 if value is None or not _same(line["lr"], value):
                     diffs["lr"] = (line["lr"], value)
             if "fingerprint" in line:
-                fingerprint = fingerprint or _fingerprint(state, line["fingerprint"])
                 self.compared += 1
                 if line["fingerprint"] != fingerprint:
                     diffs["fingerprint"] = (line["fingerprint"], fingerprint)
@@ -475,24 +498,29 @@ class _Checker(Listener):
 
 
 class _RankZeroChecker(_Checker):
-    """The checker of a data-parallel replay, on rank 0 alone (the journal is rank 0's: its
-    losses, fingerprints and checkpoints). A difference found does not end the fit by raising,
-    which would leave the other ranks waiting in the step's collective: it is kept, and a
+    """The checker of a data-parallel replay (the journal is rank 0's: its losses,
+    fingerprints and checkpoints). A difference found does not end the fit by raising, which
+    would leave the other ranks waiting in the step's collective: it is kept, and a
     :class:`~engine.events.Stop` returned at the next event the loop agrees stops after
-    (a batch's end, an epoch's start or end), so every rank stops after the same batch."""
+    (a batch's end, an epoch's start or end), so every rank stops after the same batch.
 
-    rank_zero_only = True
+    A replicated run's checker runs on rank 0 alone. A sharded run's runs on every rank
+    (``sharded=True``): rank 0 checks, the others follow (:attr:`_Checker.follows`), and so
+    does rank 0 once it has found a difference, so that every rank computes each fingerprint,
+    a collective, at the same points until the agreed stop."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sharded: bool = False, rank: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.failure: BaseException | None = None
+        self.rank_zero_only = not sharded
+        self.follows = rank != 0
 
     def _guarded(self, method: Any, rec: EventRecord) -> None:
-        if self.failure is None:
+        if self.failure is None or self.follows:
             try:
                 method(self, rec)
             except (_Diverged, _WrongStart, ReplayError) as e:
-                self.failure = e
+                self.failure, self.follows = e, True
 
     def _stop(self, method: Any, rec: EventRecord) -> Stop | None:
         self._guarded(method, rec)
@@ -809,7 +837,7 @@ def replay(
         raise _untrusted(root)
     given = data
     task, model, data, flags = _load_run(root, data)
-    world = flags["devices"] if flags.get("strategy") == "ddp" else 1
+    world = flags["devices"] if flags.get("strategy") in ("ddp", "fsdp") else 1
     if world > 1 and detect_anomaly:
         raise ReplayError(
             f"{root}: the run had {world} data-parallel ranks; replay re-executes it on "
@@ -902,7 +930,11 @@ def _replay_rank(
     task, model, data, flags = _load_run(root, data)
     transitions = _Transitions(root, journal, start_line)
     kept = [x for x in journal.lines if id(x) not in transitions.deferred]
-    checker = _RankZeroChecker(journal, kept, start_line, to_step, (from_step, to_step))
+    rank = int(os.environ.get("RANK", "0"))
+    sharded = flags.get("strategy") == "fsdp"
+    checker = _RankZeroChecker(
+        journal, kept, start_line, to_step, (from_step, to_step), sharded=sharded, rank=rank
+    )
     checker.transitions = transitions
     template = load_skeleton(model, task.tx)
     listeners = [checker, transitions]
@@ -910,7 +942,7 @@ def _replay_rank(
         outcome = _run_checked(task, template, data, Path(ckpt), flags, listeners, to_step, False)
     except _WrongStart as e:
         return {"wrong_start": str(e)}
-    if int(os.environ.get("RANK", "0")):
+    if rank:
         return None
     return {
         "steps": checker.steps,
@@ -1014,7 +1046,10 @@ def _flags(config: dict[str, Any]) -> dict[str, Any]:
                 "data-parallel run on CPU processes only (gloo), whose arithmetic is not that "
                 "of the accelerator's collectives: replay a CPU run, or a one-device run"
             )
-        flags.update(accelerator="cpu", strategy="ddp", devices=world, num_nodes=1)
+        # the same kind of strategy: a sharded state's arithmetic (gathers, reduce-scatters)
+        # is FSDP's, and its checkpoints are shards
+        strategy = "fsdp" if config.get("sharded") is True else "ddp"
+        flags.update(accelerator="cpu", strategy=strategy, devices=world, num_nodes=1)
     return flags
 
 

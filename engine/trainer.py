@@ -536,6 +536,15 @@ class Trainer(FlagViews):
                 adopt = getattr(lg, "adopt", None)
                 if callable(adopt) and not strategy.is_global_zero:
                     adopt(version)
+            # the journal's run directory too (the first logger's, or one rank 0 claims): the
+            # other ranks follow its journal, and join the save of its start checkpoint
+            journals = [x for x in self.callbacks if _is(x, "Journal")]
+            claimed = [
+                j.claim(self.loggers, self.default_root_dir) if strategy.is_global_zero else None
+                for j in journals
+            ]
+            for journal, path in zip(journals, strategy.broadcast(claimed), strict=True):
+                journal.adopt(path)
 
     def _check_schedule(self, train_loader: Any, val_loaders: Sequence[Any]) -> None:
         """Raise what :func:`engine.loop.schedule.val_check_batch` raises for the fit's first

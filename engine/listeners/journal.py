@@ -12,9 +12,14 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
   ``"end": true``, with the fit's final step, the losses since the previous line and the final
   fingerprint. Each line is written whole (one write; a failed one is cut back and raises
   :class:`JournalWriteError`), and a reader leaves out a last line cut short by a killed fit;
-* ``config.json``: the Trainer's resolved flags (``trainer.config.to_json()``) and
-  ``world_size``, the number of data-parallel ranks the run had (rank 0 alone writes the
-  run directory: its losses, fingerprints and checkpoints are rank 0's);
+* ``config.json``: the Trainer's resolved flags (``trainer.config.to_json()``),
+  ``world_size``, the number of data-parallel ranks the run had, and ``sharded``, whether the
+  state was sharded over them (``strategy="fsdp"``): a replay runs that many ranks again, with
+  the same kind of strategy. Rank 0 alone writes the run directory (its losses, fingerprints
+  and checkpoints are rank 0's); every other rank *follows*: it runs the same code with the
+  writes left out, so it joins each collective rank 0 makes (a sharded state's fingerprint
+  gathers every shard; its start checkpoint is saved by every rank) and asks for the same
+  checkpoints;
 * ``task.pkl``, ``model.pkl``, ``data.pkl``: the task's functions, the model's structure (its
   tensors as shapes only) and the training data source, pickled with cloudpickle so the run can be
   re-executed without its script. Loading them runs code, so replay asks for explicit trust;
@@ -33,7 +38,7 @@ import json
 import os
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -42,7 +47,7 @@ import torch
 
 from engine import checkpoint
 from engine._writable import append_whole, replace_whole
-from engine.events import EventRecord, Listener, RunView, Save
+from engine.events import EventRecord, Listener, Save
 
 __all__ = ["Journal", "JournalError", "JournalWriteError"]
 
@@ -107,7 +112,9 @@ class Journal(Listener):
         (2, True)
     """
 
-    rank_zero_only = True  # its output is the run's, written once
+    # every rank hears the events: rank 0 writes, the others follow (the same fingerprints, a
+    # collective for a sharded state, and the same Save requests), see on_fit_start
+    rank_zero_only = False
 
     def __init__(
         self,
@@ -135,6 +142,10 @@ class Journal(Listener):
         self.replayable = replayable
         self.max_data_bytes = max_data_bytes
         self._file: IO[bytes] | None = None
+        # whether this fit is journaled here (set at on_fit_start), and whether this process
+        # writes (rank 0) or follows (every other rank: the same work, no files)
+        self._on = False
+        self._writes = True
         self._size = 0  # the journal's length: whole lines only
         self._last: tuple[Any, Any] | None = None  # the last optimizer step's record and loss
         self._last_step = -1
@@ -153,37 +164,29 @@ class Journal(Listener):
 
     def on_fit_start(self, rec: EventRecord) -> Save | None:
         """Write the run directory; ask for a checkpoint of the start state (unless the fit
-        resumed from one, which the start line names instead)."""
+        resumed from one, which the start line names instead).
+
+        On a rank other than 0 nothing is written: the journal follows rank 0's (its
+        directory is rank 0's, which the Trainer hands every rank through :meth:`adopt`)."""
         run = rec.run
-        root = self.dirpath or _run_dir(run)
-        root.mkdir(parents=True, exist_ok=True)
-        checkpoint.clean_leftovers(root)  # a start checkpoint a crashed fit was writing
+        self._writes = run.is_global_zero
+        self._on = True
+        root = self.dirpath or _run_dir(run.loggers, run.default_root_dir)
         self.dirpath = root
+        if self._writes:
+            root.mkdir(parents=True, exist_ok=True)
+            checkpoint.clean_leftovers(root)  # a start checkpoint a crashed fit was writing
         if self.every_n_steps is None:
             self.every_n_steps = run.config.log_every_n_steps if run.config is not None else 50
         self._losses = deque(maxlen=self.every_n_steps or 1)
         self._losses_to = -1
         self._start, self._release = None, False
         # the state transitions recorded in this run directory (a resumed fit appends)
-        self._transitions = len(list(root.glob("transition-*.pkl")))
-        if run.config is not None:
-            # the flags, and the world size they resolved to (devices x num_nodes, or what a
-            # launcher such as torchrun set): a replay runs that many ranks again
-            flags = {**run.config.to_json(), "world_size": run.world_size}
-            text = json.dumps(flags, indent=2, sort_keys=True)
-            _write_file(root / CONFIG, text.encode())
-        self._file = _open_whole(root / JOURNAL)
-        self._size = os.fstat(self._file.fileno()).st_size
+        self._transitions = len(list(root.glob("transition-*.pkl"))) if self._writes else 0
+        if self._writes:
+            self._write_run(rec, root)
         if not self.replayable or rec.state is None:
             return None
-        from engine._pickling import dump_skeleton, dumps_code, dumps_data
-
-        self._dump(root / TASK, "the task", lambda: dumps_code(run.task))
-        self._dump(root / MODEL, "the model's structure", lambda: dump_skeleton(rec.state))
-        source = run.datamodule if run.datamodule is not None else run.train_dataloader
-        limit = self.max_data_bytes
-        # a datamodule without its trainer, or as its class and hyperparameters (dumps_data)
-        self._dump(root / DATA, "the training data", lambda: dumps_data(source, limit=limit))
         start = run.ckpt_path  # a resumed fit starts from that checkpoint
         save = None
         if start is None:  # else the state it was given: saved beside the journal
@@ -199,6 +202,41 @@ class Journal(Listener):
         self._put(line)
         return save
 
+    def _write_run(self, rec: EventRecord, root: Path) -> None:
+        """Rank 0's files of the run directory: the flags, the open journal and (replayable)
+        the pickled task, model structure and data."""
+        run = rec.run
+        if run.config is not None:
+            # the flags, the world size they resolved to (devices x num_nodes, or what a
+            # launcher such as torchrun set) and whether the state was sharded over it: a
+            # replay runs that many ranks again, with the same kind of strategy
+            sharded = rec.state is not None and rec.state.sharded
+            flags = {**run.config.to_json(), "world_size": run.world_size, "sharded": sharded}
+            text = json.dumps(flags, indent=2, sort_keys=True)
+            _write_file(root / CONFIG, text.encode())
+        self._file = _open_whole(root / JOURNAL)
+        self._size = os.fstat(self._file.fileno()).st_size
+        if not self.replayable or rec.state is None:
+            return
+        from engine._pickling import dump_skeleton, dumps_code, dumps_data
+
+        self._dump(root / TASK, "the task", lambda: dumps_code(run.task))
+        self._dump(root / MODEL, "the model's structure", lambda: dump_skeleton(rec.state))
+        source = run.datamodule if run.datamodule is not None else run.train_dataloader
+        limit = self.max_data_bytes
+        # a datamodule without its trainer, or as its class and hyperparameters (dumps_data)
+        self._dump(root / DATA, "the training data", lambda: dumps_data(source, limit=limit))
+
+    def claim(self, loggers: Sequence[Any], default_root_dir: str) -> str:
+        """The run directory this journal will write (on rank 0 of a multi-process fit, before
+        ``on_fit_start``): its ``dirpath``, else the first logger's ``log_dir``, else a new
+        ``<default_root_dir>/lightning_logs/version_N``, claimed."""
+        return os.fspath(self.dirpath or _run_dir(loggers, default_root_dir))
+
+    def adopt(self, dirpath: str) -> None:
+        """Take rank 0's run directory (:meth:`claim`): every rank names the same checkpoints."""
+        self.dirpath = Path(dirpath)
+
     def on_train_end(self, rec: EventRecord) -> None:
         """The fit's last line, ``"end": true``: its final step, with the losses of the steps
         since the last line and the final state's fingerprint (unless
@@ -212,7 +250,7 @@ class Journal(Listener):
         if self._landing:
             self._write_landed(wait=False)
         state = rec.state
-        if self._file is None or state is None or state.micro_step or not self.every_n_steps:
+        if not self._on or state is None or state.micro_step or not self.every_n_steps:
             return
         loss = rec.outputs.get("loss") if rec.outputs else None
         skipped = rec.outputs.get("skipped") if rec.outputs else None
@@ -272,7 +310,7 @@ class Journal(Listener):
         """Record a listener's :class:`~engine.events.Transition`: a line with its position,
         name and the event that asked for it, and its function pickled beside the journal
         (``transition-<k>.pkl``, named in the line), which :func:`engine.replay` applies again."""
-        if self._file is None or rec.state is None or rec.transition is None:
+        if not self._on or rec.state is None or rec.transition is None:
             return
         assert self.dirpath is not None
         from engine._pickling import dumps_code
@@ -291,7 +329,7 @@ class Journal(Listener):
         }
         if state.micro_step:
             line["micro_step"] = state.micro_step
-        if self.replayable:
+        if self.replayable and self._writes:
             fn = rec.transition.fn
             what = f"the state transition {rec.transition.name or fn!r}"
             self._dump(self.dirpath / name, what, lambda: dumps_code(fn))
@@ -300,7 +338,7 @@ class Journal(Listener):
         self._put(line)
 
     def on_save_checkpoint(self, rec: EventRecord) -> None:
-        if self._file is None or rec.state is None:
+        if not self._on or rec.state is None:
             return
         if self._start is not None and rec.checkpoint_path == self._start:
             self._start = None  # the start checkpoint: its line is written already
@@ -314,7 +352,7 @@ class Journal(Listener):
             line["transitions"] = self._transitions
         if rec.checkpoint_future is None:
             self._put(line)
-        else:
+        elif self._writes:
             self._landing.append((line, rec.checkpoint_future))
 
     def teardown(self, rec: EventRecord) -> None:
@@ -341,7 +379,7 @@ class Journal(Listener):
 
     def _end(self, rec: EventRecord, *, fingerprint: bool, error: str | None = None) -> None:
         state = rec.state
-        if self._file is None or state is None:
+        if not self._on or state is None:
             return
         line: dict[str, Any] = {"step": state.step, "epoch": state.epoch}
         line["batch_idx"], line["end"] = state.batch_idx, True
@@ -396,7 +434,10 @@ class Journal(Listener):
 
     def _put(self, line: dict[str, Any]) -> None:
         """Append ``line`` whole: one write of the line and its newline; a write that fails
-        (a full disk) is cut back to the lines before it and raises :class:`JournalWriteError`."""
+        (a full disk) is cut back to the lines before it and raises :class:`JournalWriteError`.
+        A following rank writes nothing."""
+        if not self._writes:
+            return
         assert self._file is not None and self.dirpath is not None
         data = (json.dumps(line) + "\n").encode()
         try:  # no torn line: a failed write is cut back, the journal ends whole
@@ -418,6 +459,7 @@ class Journal(Listener):
             self._put(line)
 
     def _close(self) -> None:
+        self._on = False
         if self._file is not None:
             file, self._file = self._file, None
             try:
@@ -544,13 +586,13 @@ def _open_whole(path: Path) -> IO[bytes]:
     return file
 
 
-def _run_dir(run: RunView) -> Path:
-    for lg in run.loggers:
+def _run_dir(loggers: Sequence[Any], default_root_dir: str) -> Path:
+    for lg in loggers:
         if getattr(lg, "log_dir", None):
             return Path(lg.log_dir)
     from engine.loggers.base import claim_version, next_version
 
     # claimed (an atomic mkdir): a second run fitting into the same root at once, without a
     # logger either, takes the next version instead of sharing this journal
-    root = Path(run.default_root_dir) / "lightning_logs"
+    root = Path(default_root_dir) / "lightning_logs"
     return root / f"version_{claim_version(root, next_version(root))}"

@@ -122,12 +122,6 @@ class FSDP(DDP):
         ValueError: FSDP(sharding_strategy='NO_SHARD') shards nothing: use strategy='ddp' ...
     """
 
-    not_journaled = (
-        "the journal's fingerprints of a sharded state gather every shard, a collective that "
-        "the journal, written by rank 0 alone, cannot join yet; replay of sharded runs is not "
-        "built"
-    )
-
     def __init__(
         self,
         *,
