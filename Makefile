@@ -22,7 +22,7 @@ TORCH_STAMP := $(VENV)/.torch-installed
 STAMP       := $(VENV)/.installed
 DEMO_STAMP  := $(VENV)/.demo-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench docs clean
 
 $(TORCH_STAMP):
 	$(PYTHON) -m venv $(VENV)
@@ -48,8 +48,11 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
+
 bench: $(STAMP)
 	$(PY) -m benchmarks.step --json
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info site
