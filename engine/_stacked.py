@@ -183,15 +183,17 @@ class StackedKernels(TorchFunctionMode):
             if (b := _at_level(t, level)) is not None
         )
 
-        def pick(x: Any, e: int) -> Any:
+        def split(x: Any) -> list[Any]:
+            """``x`` as each member sees it: one entry per member (slices are views)."""
             if isinstance(x, (list, tuple)):
-                return type(x)(pick(y, e) for y in x)
+                columns = [split(y) for y in x]
+                return [type(x)(c[e] for c in columns) for e in range(size)]
             b = _at_level(x, level)
-            return x if b is None else b.stacked[e]
+            return [x] * size if b is None else list(b.stacked.unbind(0))
 
-        outs = [
-            func(*pick(args, e), **{k: pick(v, e) for k, v in kwargs.items()}) for e in range(size)
-        ]
+        per_args = split(args)
+        per_kwargs = {k: split(v) for k, v in kwargs.items()}
+        outs = [func(*per_args[e], **{k: v[e] for k, v in per_kwargs.items()}) for e in range(size)]
         if outs[0] is None:
             return None
         if isinstance(outs[0], (list, tuple)):
