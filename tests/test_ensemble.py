@@ -191,6 +191,31 @@ def test_the_ensemble_state_checkpoints_whole_and_members_keep_their_seeds(tmp_p
     assert [m.seed for m in ensemble.unstack(back)] == [10, 11, 12] and back.seed == 10
 
 
+@pytest.mark.filterwarnings("ignore:ModelCheckpoint.*written with dirpath")
+def test_a_sweep_resumed_by_the_trainer_from_its_checkpoint_is_the_uninterrupted_run(tmp_path):
+    tx = optim.inject_hyperparams(optim.adamw)(lr=1e-3)
+    task = eg.Task(step_fn=ensemble.ensemble_step(_loss, tx))
+    data = _batches(4)
+
+    def fit(root: Path, epochs: int, ckpt_path: Path | None = None) -> eg.TrainState:
+        state = ensemble.sweep(eg.TrainState.create(_mlp(6), tx, seed=1), lr=[1e-3, 1e-2])
+        trainer = eg.Trainer(
+            default_root_dir=root,
+            max_epochs=epochs,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        return trainer.fit(task, state, data, ckpt_path=ckpt_path)
+
+    full = fit(tmp_path / "full", 2)
+    fit(tmp_path / "half", 1)
+    (ckpt,) = (tmp_path / "half").rglob("epoch=0-step=4")
+    resumed = fit(tmp_path / "resumed", 2, ckpt)  # the swept rates come back as they were
+    assert resumed.step == 8 and resumed.fingerprint() == full.fingerprint()
+    assert optim.get_hyperparams(resumed.opt_state)["lr"].tolist() == [1e-3, 1e-2]
+
+
 def test_per_member_batches_map_over_the_member_axis():
     tx = optim.sgd(0.1)
     members = [eg.TrainState.create(_mlp(s), tx, seed=s) for s in range(3)]

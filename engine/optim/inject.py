@@ -167,6 +167,8 @@ def warm(opt_state: OptState) -> None:
     optimizer state holds (``set_hyperparams`` and checkpoint loading call this), so a compiled
     step finds them built."""
     for _, found in _found(opt_state):
+        if any(isinstance(v, Tensor) for v in found.hyperparams.values()):
+            continue  # an ensemble's swept values (one per member): built at each step
         keys = tuple(sorted(found.hyperparams))
         for builder in list(_BUILDERS):
             if builder.keys == keys:
