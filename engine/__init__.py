@@ -6,10 +6,11 @@ and hook names, whose listeners (:mod:`engine.listeners`) and loggers (:mod:`eng
 react to events but cannot change the state: a listener reads a read-only view of the run and
 returns requests (:class:`Stop`, :class:`Save`, :class:`Log`) that the driver carries out.
 Checkpoints (:mod:`engine.checkpoint`) resume a run exactly, and :func:`replay` re-executes a
-journaled run and checks it bitwise.
+journaled run and checks it bitwise. :mod:`engine.ensemble` trains E models (an ensemble, or a
+hyperparameter sweep) in one vmapped step.
 """
 
-from engine import checkpoint, data, listeners, loggers, optim, rng, transforms
+from engine import checkpoint, data, ensemble, listeners, loggers, optim, rng, transforms
 from engine._replay import Divergence, ReplayError, ReplayReport, UntrustedCodeError, replay
 from engine._version import __version__
 from engine.events import (
@@ -81,6 +82,7 @@ __all__ = [
     "__version__",
     "checkpoint",
     "data",
+    "ensemble",
     "eval_step",
     "listeners",
     "loggers",

@@ -188,6 +188,8 @@ class Task:
         if self.step_fn is not None:  # the user's own: the transforms seed, place and watch it
             rng_devices = None if transforms is None else transforms.rng_devices
             fn = self.step_fn
+            if isinstance(fn, CustomStep):  # a built step (engine.ensemble's): its function,
+                fn = fn.fn  # seeded and placed by the transforms here like any other
             for t in () if transforms is None else transforms.transforms:
                 if getattr(t, "wraps_any_step", False):  # anomaly detection: around the call
                     fn = t.wrap_core(fn)

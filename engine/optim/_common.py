@@ -22,6 +22,17 @@ Labels = Mapping[str, Any] | Callable[[Params], Mapping[str, Any]]
 def _check_lr(lr: ScheduleLike, name: str = "lr") -> ScheduleLike:
     if callable(lr):
         return lr
+    if isinstance(lr, Tensor):
+        # a 0-d tensor, as torch.optim takes: an ensemble's swept learning rates, one per
+        # member under torch.func.vmap (engine.ensemble), whose values cannot be read here
+        if lr.dim() != 0 or not lr.is_floating_point():
+            raise ValueError(
+                f"'{name}' as a tensor must be a 0-d floating point tensor (got shape "
+                f"{tuple(lr.shape)}, {lr.dtype}); e.g. {name}=torch.tensor(1e-3)"
+            )
+        if not torch._C._functorch.is_functorch_wrapped_tensor(lr) and not bool(lr >= 0):
+            raise ValueError(f"'{name}' must be non-negative (got {lr!r})")
+        return lr
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0.0:
         raise ValueError(
             f"'{name}' must be a non-negative float or a schedule (a callable step -> float) "

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from engine.optim.base import (
@@ -138,7 +139,11 @@ class _Builder:
             OrderedDict()
         )
 
-    def tx_for(self, values: dict[str, float]) -> GradientTransformation:
+    def tx_for(self, values: dict[str, Any]) -> GradientTransformation:
+        if any(isinstance(v, Tensor) for v in values.values()):
+            # an ensemble's swept values (engine.ensemble): one 0-d tensor per member under
+            # torch.func.vmap, no number to key a cache by; the optimizer takes them as tensors
+            return self.factory(**self.fixed, **values)
         # float(): under torch.compile the state's numbers arrive symbolic; a graph is
         # specialised to them (a new value, as after a plateau, recompiles once). Building an
         # optimizer cannot be traced, so values are built eagerly first (see warm())
@@ -162,6 +167,8 @@ def warm(opt_state: OptState) -> None:
     optimizer state holds (``set_hyperparams`` and checkpoint loading call this), so a compiled
     step finds them built."""
     for _, found in _found(opt_state):
+        if any(isinstance(v, Tensor) for v in found.hyperparams.values()):
+            continue  # an ensemble's swept values (one per member): built at each step
         keys = tuple(sorted(found.hyperparams))
         for builder in list(_BUILDERS):
             if builder.keys == keys:
