@@ -49,6 +49,32 @@ def _python(page: Path) -> list[tuple[str, str | None]]:
     ]
 
 
+def _session(page: Path) -> list[tuple[str, str | None]]:
+    """The page's Python blocks in order, as a reader runs them: a ``>>>`` block as the
+    source of its examples (their outputs are the doctest's to check), the others whole."""
+    import doctest
+
+    out: list[tuple[str, str | None]] = []
+    for lang, code, mode in _blocks(page):
+        if lang != "python":
+            continue
+        if ">>>" in code:
+            examples = doctest.DocTestParser().get_examples(code)
+            out.append(("\n".join(_guarded(e) for e in examples), "doctest"))
+        else:
+            out.append((code, mode))
+    return out
+
+
+def _guarded(example) -> str:
+    """A doctest example's source; one whose expected output is an exception, wrapped so the
+    session goes on past it (as the doctest does)."""
+    if example.exc_msg is None:
+        return example.source
+    body = textwrap.indent(example.source, "    ")
+    return f"try:\n{body}except Exception:\n    pass\n"
+
+
 # What the pages' fragments assume their reader has defined (a page's text says so around them)
 PRELUDES = {
     "checkpoints.md": """
@@ -135,8 +161,12 @@ def test_every_python_block_of_a_page_runs(page, tmp_path):
     out = io.StringIO()
     if page.name in PRELUDES:
         exec(compile(PRELUDES[page.name], f"prelude of {page.name}", "exec"), namespace)
-    for number, (code, mode) in enumerate(_python(page), 1):
+    for number, (code, mode) in enumerate(_session(page), 1):
         where = f"{page.name}, python block {number}"
+        if mode == "doctest":  # what the page's reader has defined by now; checked by doctest
+            with contextlib.redirect_stdout(io.StringIO()):
+                exec(compile(code, where, "exec"), namespace)
+            continue
         if mode is None:
             with contextlib.redirect_stdout(out):
                 exec(compile(code, where, "exec"), namespace)
