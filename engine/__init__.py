@@ -6,11 +6,12 @@ and hook names, whose listeners (:mod:`engine.listeners`) and loggers (:mod:`eng
 react to events but cannot change the state: a listener reads a read-only view of the run and
 returns requests (:class:`Stop`, :class:`Save`, :class:`Log`) that the driver carries out.
 Checkpoints (:mod:`engine.checkpoint`) resume a run exactly, and :func:`replay` re-executes a
-journaled run and checks it bitwise. :mod:`engine.ensemble` trains E models (an ensemble, or a
-hyperparameter sweep) in one vmapped step.
+journaled run and checks it bitwise. Research pieces: :mod:`engine.ensemble` trains E models
+(an ensemble, or a hyperparameter sweep) in one vmapped step; :func:`per_example_grads` and
+:mod:`engine.privacy` (DP-SGD as a step transform).
 """
 
-from engine import checkpoint, data, ensemble, listeners, loggers, optim, rng, transforms
+from engine import checkpoint, data, ensemble, listeners, loggers, optim, privacy, rng, transforms
 from engine._replay import Divergence, ReplayError, ReplayReport, UntrustedCodeError, replay
 from engine._version import __version__
 from engine.events import (
@@ -35,6 +36,7 @@ from engine.listeners import (
 )
 from engine.loggers import CSVLogger, TensorBoardLogger
 from engine.metrics import LogOptions
+from engine.per_example import per_example_grads
 from engine.state import ConsumedStateError, TrainState
 from engine.step import (
     EvalStep,
@@ -87,7 +89,9 @@ __all__ = [
     "listeners",
     "loggers",
     "optim",
+    "per_example_grads",
     "predict_step",
+    "privacy",
     "replay",
     "rng",
     "transforms",

@@ -323,10 +323,12 @@ def check_loggers(value: Any) -> None:
 def check_plugins(value: Any, precision: Any, detect_anomaly: bool = False) -> tuple[Any, ...]:
     """``plugins``: None, or engine's own objects where Lightning takes its plugins, alone or in
     a list: a precision (an :class:`engine.transforms.Transform`, used in the precision slot),
-    :class:`engine.transforms.SingleDevice` (placement), :class:`engine.transforms.DetectAnomaly`
-    and a :class:`engine.checkpoint.CheckpointIO`. At most one of each kind; a precision plugin
+    :class:`engine.transforms.SingleDevice` (placement), :class:`engine.transforms.DetectAnomaly`,
+    :class:`engine.privacy.DPSGD` (the privacy slot) and a
+    :class:`engine.checkpoint.CheckpointIO`. At most one of each kind; a precision plugin
     and a ``precision`` flag together are refused, as Lightning refuses them."""
     from engine.checkpoint import CheckpointIO
+    from engine.privacy import DPSGD
     from engine.transforms import DetectAnomaly, SingleDevice, Transform
 
     if value is None:
@@ -350,6 +352,8 @@ def check_plugins(value: Any, precision: Any, detect_anomaly: bool = False) -> t
             kind = "placement"
         elif isinstance(item, DetectAnomaly):
             kind = "anomaly detection"
+        elif isinstance(item, DPSGD):
+            kind = "privacy"
         elif isinstance(item, Transform):
             kind = "precision"
         else:
@@ -357,7 +361,8 @@ def check_plugins(value: Any, precision: Any, detect_anomaly: bool = False) -> t
                 f"Trainer(plugins={value!r}): {item!r} is not one of engine's plugins; pass a "
                 "precision transform (engine.transforms.MixedPrecision(torch.bfloat16), "
                 "TruePrecision(...)), engine.transforms.SingleDevice(...), "
-                "engine.transforms.DetectAnomaly(...) or an engine.checkpoint.CheckpointIO. "
+                "engine.transforms.DetectAnomaly(...), engine.privacy.DPSGD(...) or an "
+                "engine.checkpoint.CheckpointIO. "
                 "Lightning's own plugins do not plug into engine"
             )
         if kind in seen:

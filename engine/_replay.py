@@ -1017,6 +1017,23 @@ def _load_run(root: Path, data: Any) -> tuple[Any, bytes, Any, dict[str, Any]]:
     return task, model, data, _flags(config)
 
 
+def _privacy(ckpt: Any) -> Any:
+    """The DP-SGD transform of a run whose checkpoint holds DP-SGD's numbers
+    (``extra["dpsgd"]``), built with them; ``None`` for any other run. ``chunk_size`` (how
+    many examples are vectorised at once) is not recorded: replay runs each micro-batch whole."""
+    from engine import checkpoint
+    from engine.privacy import DPSGD, KEY
+
+    held = (checkpoint.read_meta(ckpt).get("trees") or {}).get("extra", {}).get(KEY)
+    if not isinstance(held, dict):
+        return None
+    names = ("max_grad_norm", "noise_multiplier", "sample_rate", "expected_batch_size")
+    try:
+        return DPSGD(**{k: held[k] for k in names})
+    except (KeyError, TypeError, ValueError) as e:
+        raise ReplayError(f"{ckpt}: extra['dpsgd'] does not describe a DP-SGD run: {e}") from e
+
+
 def _flags(config: dict[str, Any]) -> dict[str, Any]:
     """The Trainer flags of the recorded run that decide what its steps compute: those of
     ``_REPLAYED_FLAGS``, its precision and the device it ran on (the one resolved then)."""
@@ -1185,7 +1202,10 @@ def _run_checked(
     checker = listeners[0]
     checker.detect_anomaly = detect_anomaly
     # the Trainer's own detect_anomaly transform, on for the steps asked for
-    plugins = [DetectAnomaly(active=checker.in_span)] if detect_anomaly else None
+    plugins: list[Any] = [DetectAnomaly(active=checker.in_span)] if detect_anomaly else []
+    private = _privacy(ckpt)  # a DP-SGD run's numbers are state: its checkpoint has them
+    if private is not None:
+        plugins.append(private)
     outcome: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="engine-replay-") as scratch:
         trainer = Trainer(
@@ -1200,7 +1220,7 @@ def _run_checked(
             limit_val_batches=0,  # validation cannot change the state
             callbacks=listeners,
             default_root_dir=scratch,
-            plugins=plugins,
+            plugins=plugins or None,
             **flags,
         )
         try:

@@ -41,6 +41,7 @@ from engine.state import TrainState
 __all__ = [
     "CustomStep",
     "EvalStep",
+    "Forward",
     "GradFn",
     "ModelView",
     "PredictStep",
@@ -332,9 +333,63 @@ def _maybe_compile(fn: Callable, compile: bool | Mapping[str, Any]) -> Callable:
     return _Compiled(fn, compile if isinstance(compile, Mapping) else {})
 
 
-Forward = Callable[[], "tuple[Tensor, Mapping[str, Any]]"]
+class Forward:
+    """One micro-batch's forward pass, as a gradient computation (:data:`GradFn`) receives it.
+
+    ``forward()`` runs the loss function on the step's parameters and batch and returns
+    ``(loss, aux)``: all :func:`grad_core` needs. A gradient computation that needs more than
+    the batch's loss, such as per-example gradients (:class:`engine.privacy.DPSGD`), reads what
+    the call closes over:
+
+    * ``params``: the step's parameters by name (the order of the list ``grad_fn`` is given);
+    * ``batch``: the micro-batch;
+    * ``at(params, batch)``: the same loss function, with the state's module and buffers, on
+      other parameters (a dict, by name) or another batch: ``(loss, aux)``;
+    * ``extra``: the entries of ``TrainState.extra`` that the pipeline's transforms read
+      (:attr:`engine.transforms.Transform.reads_extra`), so their numbers are state;
+    * ``first``: whether this micro-batch opens an accumulation window (always, without
+      accumulation): what happens once per optimizer step happens here.
+
+    A transform that wraps the forward pass (autocast, a loss scale, ``on_before_backward``)
+    passes a plain function inward, which has none of these: a gradient computation that needs
+    them must be the innermost ``wrap_grad`` and refuse such a function.
+
+    Example:
+        >>> import torch
+        >>> params = {"w": torch.tensor(2.0)}
+        >>> f = Forward(lambda p, b: ((p["w"] * b).sum(), {}), params, torch.ones(3))
+        >>> f()[0].item(), f.at({"w": torch.tensor(1.0)}, torch.ones(2))[0].item(), f.first
+        (6.0, 2.0, True)
+    """
+
+    __slots__ = ("_run", "batch", "extra", "first", "params")
+
+    def __init__(
+        self,
+        run: Callable[[Mapping[str, Tensor], Any], tuple[Tensor, Mapping[str, Any]]],
+        params: Mapping[str, Tensor],
+        batch: Any,
+        *,
+        extra: Mapping[str, Any] | None = None,
+        first: bool = True,
+    ) -> None:
+        self._run = run
+        self.params = params
+        self.batch = batch
+        self.extra = extra if extra is not None else {}
+        self.first = first
+
+    def __call__(self) -> tuple[Tensor, Mapping[str, Any]]:
+        return self._run(self.params, self.batch)
+
+    def at(self, params: Mapping[str, Tensor], batch: Any) -> tuple[Tensor, Mapping[str, Any]]:
+        """``(loss, aux)`` of the loss function on ``params`` and ``batch``."""
+        return self._run(params, batch)
+
+
 GradFn = Callable[
-    [Forward, "list[Tensor]", int, Any], "tuple[tuple[Tensor, ...], Tensor, Mapping[str, Any]]"
+    [Callable[[], "tuple[Tensor, Mapping[str, Any]]"], "list[Tensor]", int, Any],
+    "tuple[tuple[Tensor, ...], Tensor, Mapping[str, Any]]",
 ]
 UpdateFn = Callable[
     [dict[str, Tensor], dict[str, Tensor], Any, Any, int], "tuple[Any, Any, Mapping[str, Tensor]]"
@@ -342,7 +397,10 @@ UpdateFn = Callable[
 
 
 def grad_core(
-    forward: Forward, params: list[Tensor], accumulate: int, precision: Any
+    forward: Callable[[], tuple[Tensor, Mapping[str, Any]]],
+    params: list[Tensor],
+    accumulate: int,
+    precision: Any,
 ) -> tuple[tuple[Tensor, ...], Tensor, Mapping[str, Any]]:
     """The gradient computation every train step starts from: ``forward()`` gives
     ``(loss, aux)``; the gradients are those of ``loss / accumulate``. Step transforms wrap it
@@ -420,6 +478,9 @@ class TrainStep:
     :meth:`engine.transforms.Pipeline.train_step`: ``grad_fn`` (default :func:`grad_core`)
     computes the gradients, ``update_fn`` (default :func:`update_core` of ``tx`` and ``clip``)
     applies them, and ``wrap_core`` wraps each of the two pure cores below (compilation).
+    ``extra_keys`` names the ``TrainState.extra`` entries the gradient computation reads: each
+    step passes them to it as :attr:`Forward.extra` (a transform's numbers kept as state, such
+    as DP-SGD's noise multiplier).
     """
 
     def __init__(
@@ -438,9 +499,12 @@ class TrainStep:
         rng_devices: Callable[[TrainState], tuple[int | str, ...]] | None = None,
         rank: int = 0,
         bind: Bind | None = None,
+        extra_keys: tuple[str, ...] = (),
     ) -> None:
         self.loss_fn = loss_fn
         self._bind = bind  # the transforms' view of the parameters (Transform.bind)
+        # the TrainState.extra entries the gradient computation reads (Forward.extra)
+        self._extra_keys = extra_keys
         self._rank = rank  # the data-parallel rank: its own random numbers (rng.derive_seed)
         self.tx = tx
         self.clip = clip
@@ -469,11 +533,12 @@ class TrainStep:
     # The two pure cores (tensors in, tensors out, buffers donated). Kept free of Python
     # branches on values so torch.compile captures each as one graph.
 
-    def _grads(self, module, params, buffers, precision, batch, frozen):
-        def forward():
-            view = _view(module, params, buffers, self._bind)
+    def _grads(self, module, params, buffers, precision, batch, frozen, extra, first):
+        def run(tensors, batch):
+            view = _view(module, tensors, buffers, self._bind)
             return _split(self.loss_fn(view, batch), "loss_fn")
 
+        forward = Forward(run, params, batch, extra=extra, first=first)
         if frozen:
             params_list: list[Tensor] = PartlyFrozen(
                 p.detach() if k in frozen else p for k, p in params.items()
@@ -484,9 +549,12 @@ class TrainStep:
         return grads, _metrics(loss, aux)
 
     def _update_core(
-        self, module, params, buffers, opt_state, precision, grad_accum, step, batch, frozen
+        self, module, params, buffers, opt_state, precision, grad_accum, step, batch, frozen, extra
     ):
-        grads, metrics = self._grads(module, params, buffers, precision, batch, frozen)
+        first = grad_accum is None
+        grads, metrics = self._grads(
+            module, params, buffers, precision, batch, frozen, extra, first
+        )
         with torch.no_grad():
             if grad_accum is not None:
                 torch._foreach_add_(grads, list(grad_accum.values()))
@@ -500,8 +568,13 @@ class TrainStep:
             metrics.update(reported)
         return opt_state, precision, metrics
 
-    def _accumulate_core(self, module, params, buffers, precision, grad_accum, batch, frozen):
-        grads, metrics = self._grads(module, params, buffers, precision, batch, frozen)
+    def _accumulate_core(
+        self, module, params, buffers, precision, grad_accum, batch, frozen, extra
+    ):
+        first = grad_accum is None
+        grads, metrics = self._grads(
+            module, params, buffers, precision, batch, frozen, extra, first
+        )
         if grad_accum is None:
             return dict(zip(params, grads, strict=True)), metrics
         with torch.no_grad():
@@ -531,6 +604,11 @@ class TrainStep:
         micro = state.micro_step
         apply = flush or micro + 1 >= self.accumulate
         frozen = self._frozen(state.opt_state)
+        extra = (
+            {k: state.extra[k] for k in self._extra_keys if k in state.extra}
+            if self._extra_keys
+            else None
+        )
         seed = rng.derive_seed(state.seed, state.step, micro, rank=self._rank)
         with rng.seeded(seed, self._rng_devices(state)):
             if apply:
@@ -544,6 +622,7 @@ class TrainStep:
                     state.step,
                     batch,
                     frozen,
+                    extra,
                 )
             else:
                 grad_accum, metrics = self._accumulate(
@@ -554,6 +633,7 @@ class TrainStep:
                     state.grad_accum,
                     batch,
                     frozen,
+                    extra,
                 )
         if apply:
             new = state.replace(

@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 import torch
 
-from engine import _resume, checkpoint, loop, optim, transforms
+from engine import _resume, checkpoint, loop, optim, privacy, transforms
 from engine._config import FlagViews, missing_attribute, warn_hyperparams_in_dtype
 from engine._profiling import Profiler
 from engine._resume import Checkpointer, RunRecord, SignalCatcher, _is
@@ -176,11 +176,19 @@ class Trainer(FlagViews):
                 for p in plugged
                 if isinstance(p, transforms.Transform)
                 and not isinstance(
-                    p, (transforms.SingleDevice, transforms.DetectAnomaly, transforms.Strategy)
+                    p,
+                    (
+                        transforms.SingleDevice,
+                        transforms.DetectAnomaly,
+                        transforms.Strategy,
+                        privacy.DPSGD,
+                    ),
                 )
             ),
             None,
         ) or transforms.precision_transform(self.config.precision)
+        # DP-SGD's per-example gradients (engine.privacy), in compose's privacy slot
+        self._privacy = next((p for p in plugged if isinstance(p, privacy.DPSGD)), None)
         io = next((p for p in plugged if isinstance(p, checkpoint.CheckpointIO)), None)
         # how the work is spread over processes (engine.parallel): rank facts, sharding,
         # the gradients' reduction, the collectives at the loop's checks
@@ -656,6 +664,7 @@ class Trainer(FlagViews):
         self._state = saver.load(path, template, stage=self.stage, asked=ckpt_path)
         if self.stage == "fit" and (path / checkpoint.META).is_file():
             self._check_accumulation(path, self._state)
+            self._check_privacy(path, self._state)
         self.ckpt_path = str(path)  # ModelCheckpoint never deletes the one a run resumed from
         new_reducer = None if self.task is None else self.task.reducer
         restored = saver.restore_run(
@@ -689,6 +698,26 @@ class Trainer(FlagViews):
                 f"exactly only under the same one: Trainer(precision={saved!r}). To go on under "
                 "another, start a new fit from its weights (checkpoint.load_weights(path, "
                 "model), then task.init(model))"
+            )
+
+    def _check_privacy(self, path: Path, state: TrainState) -> None:
+        """A DP-SGD fit continues only under DP-SGD, and DP-SGD continues only a fit that ran
+        it: the checkpoint's ``extra["dpsgd"]`` (the noise multiplier, the sample rate and
+        their history, which the accountant reads) says which it was."""
+        held = privacy.KEY in state.extra
+        if held and self._privacy is None:
+            raise checkpoint.CheckpointError(
+                f"fit(ckpt_path={str(path)!r}): the checkpoint was saved by a DP-SGD fit (its "
+                "state holds extra['dpsgd']) and this Trainer has no DPSGD plugin; resume it "
+                "with Trainer(plugins=[engine.privacy.DPSGD(...)]) (the checkpoint's numbers "
+                "are kept)"
+            )
+        if not held and self._privacy is not None:
+            raise checkpoint.CheckpointError(
+                f"fit(ckpt_path={str(path)!r}): the checkpoint was saved by a fit without "
+                f"DP-SGD and this Trainer has {self._privacy!r}; a resumed fit continues the "
+                "run it resumes. To train it privately, start a new fit from its weights "
+                "(checkpoint.load_weights(path, model), then task.init(model))"
             )
 
     def _check_accumulation(self, path: Path, state: TrainState) -> None:
@@ -1103,6 +1132,7 @@ class Trainer(FlagViews):
             precision=self._precision,
             observe=self._observer() if fit else None,
             strategy=self._strategy,
+            privacy=self._privacy,
             clip=clip,
             accumulate=self.accumulate_grad_batches,
             compile=self.compile,
@@ -1636,6 +1666,13 @@ def _check_custom_step(trainer: Trainer) -> None:
                 "task's step_fn is its own step: accumulate, clip (optim.clip_by_global_norm in "
                 "its optimizers) or compile inside it, and leave the flag at its default"
             )
+    if trainer._privacy is not None:
+        raise ValueError(
+            f"Trainer(plugins=[{trainer._privacy!r}]) computes the gradients of a train step "
+            "built from loss_fn; the task's step_fn is its own step: take per-example "
+            "gradients inside it (engine.per_example_grads, engine.privacy.clip_and_sum and "
+            "gaussian_noise), or give the task a loss_fn"
+        )
     precision = trainer._precision
     if precision.overrides("wrap_grad"):
         raise ValueError(

@@ -143,12 +143,13 @@ def resolve(
 def _precision(flag: Any, plugins: tuple[Any, ...]) -> str:
     """The precision's canonical name (Lightning's ``trainer.precision``): the flag's, or the
     plugin's when it is one of engine's with its defaults, else its repr."""
+    from engine.privacy import DPSGD
     from engine.transforms import DetectAnomaly
 
     plugged = [
         p
         for p in plugins
-        if isinstance(p, Transform) and not isinstance(p, (SingleDevice, DetectAnomaly))
+        if isinstance(p, Transform) and not isinstance(p, (SingleDevice, DetectAnomaly, DPSGD))
     ]
     if not plugged:
         name = canonical_precision(flag)

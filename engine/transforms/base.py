@@ -15,8 +15,8 @@ hook               what it wraps or changes                     implementations
 ``move``           each batch, before the step                  ``SingleDevice`` (pinned,
                                                                 non_blocking), ``TruePrecision``
 ``wrap_grad``      loss -> gradients (:data:`~engine.step.      ``MixedPrecision`` (autocast, loss
-                   GradFn`)                                     scaling), ``Observe``; next: a
-                                                                data-parallel all-reduce
+                   GradFn`); its ``forward`` is a               scaling), ``Observe``, ``DPSGD``
+                   :class:`~engine.step.Forward`                (per-example gradients)
 ``wrap_eval``      the user's eval / predict function           ``MixedPrecision`` (autocast)
 ``gradients``      a stateless gradient transformation run      ``Clip``
                    before the optimizer
@@ -71,6 +71,12 @@ class Transform:
         'state'
     """
 
+    #: the keys of ``TrainState.extra`` this transform's ``wrap_grad`` reads: each train step
+    #: passes those entries to the gradient computation as ``forward.extra``
+    #: (:class:`~engine.step.Forward`), so numbers a transition changes and a checkpoint
+    #: carries steer it (DP-SGD's noise multiplier and sampling rate)
+    reads_extra: tuple[str, ...] = ()
+
     def prepare(self, state: TrainState) -> TrainState:
         """The state, made ready once before the steps run (placed, cast, sharded).
 
@@ -92,7 +98,10 @@ class Transform:
         return batch
 
     def wrap_grad(self, grad_fn: GradFn) -> GradFn:
-        """The gradient computation ``grad_fn(forward, params, accumulate, precision)``."""
+        """The gradient computation ``grad_fn(forward, params, accumulate, precision)``:
+        ``forward()`` gives ``(loss, aux)``; the step's own ``forward`` is a
+        :class:`~engine.step.Forward`, which also gives the batch, the parameters by name and
+        the loss function on other tensors (what per-example gradients need)."""
         return grad_fn
 
     def wrap_eval(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

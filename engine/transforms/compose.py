@@ -2,7 +2,7 @@
 
 ::
 
-    placement -> precision -> observe -> strategy -> clip -> detect_anomaly -> compile
+    placement -> precision -> observe -> strategy -> privacy -> clip -> detect_anomaly -> compile
 
 Earlier is closer to the outside world: ``prepare`` and ``move`` run in this order (place the
 state and the batch on the device, then cast them there, then shard), and each ``wrap_*`` hook
@@ -14,7 +14,11 @@ reduces the scaled gradients right after backward, as DDP's hooks do, so that
 (``torch.amp.GradScaler``'s order: unscale, clip, step); Lightning's step hooks (``observe``)
 see the loss and the gradients inside the precision, as Lightning's do (scaled after backward,
 unscaled before the optimizer step, before clipping); anomaly detection wraps the compiled core,
-never the reverse.
+never the reverse. A privacy transform (:class:`engine.privacy.DPSGD`) computes the gradients
+itself, from per-example ones, so it is the innermost ``wrap_grad``: what the transforms
+outside it do to the gradients (the step hooks, the strategy's reduction, the clip) they do to
+its private gradients, and a precision that wraps the forward pass is refused with it (its
+per-example losses would run outside the autocast or the loss scale).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def compose(
     precision: Transform | None = None,
     observe: Transform | None = None,
     strategy: Strategy | None = None,
+    privacy: Transform | None = None,
     clip: GradientTransformation | Transform | None = None,
     accumulate: int = 1,
     compile: bool | Mapping[str, Any] | Transform = False,
@@ -75,6 +80,9 @@ def compose(
         strategy: how the work is spread over processes, a :class:`Strategy`; default
             :class:`SingleProcess` (data parallel, ``engine.parallel.DDP``: an all-reduce in
             ``reduce``, once per optimizer step; fully sharded: ``prepare``).
+        privacy: a transform that computes the gradients itself (its ``wrap_grad`` does not
+            call the one it wraps): :class:`engine.privacy.DPSGD`, per-example clipping and
+            Gaussian noise. One process only, in float32 or a true precision.
         clip: a stateless gradient transformation run before the optimizer (the Trainer's
             ``gradient_clip_val``: ``optim.clip_by_global_norm(v)``), or a :class:`Clip`.
         accumulate: micro-batches per optimizer step (``accumulate_grad_batches``).
@@ -104,6 +112,7 @@ def compose(
         precision if precision is not None else Float32(),
         observe,
         strategy if strategy is not None else SingleProcess(),
+        privacy,
         clip if isinstance(clip, Transform) or clip is None else Clip(clip),
         detect_anomaly
         if isinstance(detect_anomaly, Transform)
@@ -118,9 +127,44 @@ def compose(
     for t in stages:
         if t is not None and not isinstance(t, Transform):
             raise TypeError(f"compose(): {t!r} is not an engine.transforms.Transform")
+    if privacy is not None:
+        _check_privacy(privacy, stages)
     if stages[-1] is not None and strategy is not None and strategy.not_compilable:
         raise ValueError(f"compose(compile=...) with {strategy!r}: {strategy.not_compilable}")
     return Pipeline(tuple(t for t in stages if t is not None), accumulate)
+
+
+def _check_privacy(privacy: Transform, stages: list[Transform | None]) -> None:
+    """A privacy transform replaces the gradient computation: nothing inside it may wrap the
+    gradient computation (it would be skipped), nothing outside it may wrap the forward pass
+    (its per-example losses do not run through that forward), and it runs in one process (each
+    rank would add the whole noise: the average's would be too small by sqrt(world_size))."""
+    if not isinstance(privacy, Transform):
+        raise TypeError(
+            f"compose(privacy={privacy!r}): pass an engine.transforms.Transform such as "
+            "engine.privacy.DPSGD(...)"
+        )
+    at = stages.index(privacy)
+    inner = [t for t in stages[at + 1 :] if t is not None and t.overrides("wrap_grad")]
+    if inner:
+        raise ValueError(
+            f"compose(privacy={privacy!r}): {inner[0]!r} wraps the gradient computation "
+            "inside it, which the privacy transform replaces; pass that transform elsewhere"
+        )
+    precision = stages[1]
+    if precision is not None and precision.overrides("wrap_grad"):
+        raise ValueError(
+            f"compose(privacy={privacy!r}, precision={precision!r}): the precision wraps the "
+            "forward pass (autocast, loss scaling), which per-example gradients do not run "
+            "through; use float32 or a true precision ('64-true', 'bf16-true', '16-true')"
+        )
+    strategy = stages[3]
+    if isinstance(strategy, Strategy) and strategy.world_size > 1:
+        raise ValueError(
+            f"compose(privacy={privacy!r}, strategy={strategy!r}): DP-SGD runs in one process "
+            f"(world_size={strategy.world_size}): every rank would add the whole noise and "
+            "the average's would be too small; train it with one process"
+        )
 
 
 def _reducing(update_fn: UpdateFn, reducers: tuple[Callable[[Any], Any], ...]) -> UpdateFn:
@@ -275,6 +319,7 @@ class Pipeline:
             rng_devices=self.rng_devices,
             rank=self.strategy.global_rank,
             bind=self.bind_fn(),
+            extra_keys=tuple(dict.fromkeys(k for t in self.transforms for k in t.reads_extra)),
         )
 
     def eval_step(self, fn: Callable[[Any, Any], Any], *, inference_mode: bool = True) -> EvalStep:
