@@ -9,7 +9,7 @@ Checkpoints (:mod:`engine.checkpoint`) resume a run exactly, and :func:`replay` 
 journaled run and checks it bitwise.
 """
 
-from engine import checkpoint, data, listeners, loggers, optim, rng, transforms
+from engine import checkpoint, data, listeners, loggers, meta, optim, rng, transforms
 from engine._replay import Divergence, ReplayError, ReplayReport, UntrustedCodeError, replay
 from engine._version import __version__
 from engine.events import (
@@ -84,6 +84,7 @@ __all__ = [
     "eval_step",
     "listeners",
     "loggers",
+    "meta",
     "optim",
     "predict_step",
     "replay",
