@@ -101,11 +101,27 @@ def _sqrt(xs: Sequence[Tensor]) -> list[Tensor]:
     ``0 * inf`` would make the whole meta-gradient NaN. The values are sqrt's, bitwise."""
     if not torch.is_grad_enabled() or not any(x.requires_grad for x in xs):
         return list(torch._foreach_sqrt(list(xs)))
-    out = []
-    for x in xs:
-        nonzero = x != 0  # (a NaN stays NaN)
-        out.append(torch.where(nonzero, torch.where(nonzero, x, 1.0).sqrt(), 0.0))
-    return out
+    return list(_SqrtZeroAtZero.apply(*xs))
+
+
+class _SqrtZeroAtZero(torch.autograd.Function):
+    """The forward is one ``_foreach_sqrt``; the masking costs only in backward. The backward
+    is made of differentiable ops, so it can itself be differentiated."""
+
+    @staticmethod
+    def forward(ctx: Any, *xs: Tensor) -> tuple[Tensor, ...]:
+        out = tuple(torch._foreach_sqrt(list(xs)))
+        ctx.save_for_backward(*out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, ...]:
+        out = []
+        for root, g in zip(ctx.saved_tensors, grads, strict=True):
+            nonzero = root != 0
+            safe = torch.where(nonzero, root, 1.0)
+            out.append(torch.where(nonzero, g / (2 * safe), 0.0))
+        return tuple(out)
 
 
 def scale_by_adam(
