@@ -388,3 +388,16 @@ def test_a_maml_fit_checkpoints_and_resumes_in_a_fresh_process_bitwise(tmp_path)
     assert resumed["fingerprint"] == full.fingerprint()
     # and meta-training moved the parameters
     assert not torch.equal(full.params["0.weight"], fit_model()[0].weight)
+
+
+def test_the_cost_benchmark_runs_each_variant_and_counts_the_new_bytes():
+    from benchmarks import meta as bench
+
+    for opt in bench.OPTIMIZERS:
+        for run in bench.variants("maml", opt).values():
+            run()
+    # a differentiable step returns new parameters (1x their bytes) and, for Adam, new moments
+    # (2x) and step counters (one float32 per tensor)
+    assert bench.new_bytes("maml", "sgd") == 1.0
+    counters = 6 * 4 / (1761 * 4)
+    assert bench.new_bytes("maml", "adam") == pytest.approx(3.0 + counters, abs=0)
