@@ -401,3 +401,36 @@ def test_the_cost_benchmark_runs_each_variant_and_counts_the_new_bytes():
     assert bench.new_bytes("maml", "sgd") == 1.0
     counters = 6 * 4 / (1761 * 4)
     assert bench.new_bytes("maml", "adam") == pytest.approx(3.0 + counters, abs=0)
+
+
+@pytest.mark.parametrize("name", ["adam", "adam_amsgrad_decay", "adagrad"])
+def test_the_differentiable_step_keeps_bias_corrections_as_tensors_where_the_step_does(
+    name, monkeypatch
+):
+    # on an accelerator (and under torch.compile) the corrections stay tensors, as torch.optim's
+    # capturable path keeps them; run that path on the CPU: the in-place update's numbers, and
+    # the meta-gradient of the Python-float path (checked against the references above)
+    from engine.optim import adaptive
+
+    def meta_gradient():
+        tx = NAMED[name]()
+        w = torch.linspace(-1.0, 1.5, 4, requires_grad=True)
+        params, state = {"w": w}, tx.init({"w": w})
+        for step in range(3):
+            (grad,) = torch.autograd.grad((params["w"] ** 3).sum(), params["w"], create_graph=True)
+            params, state = optim.differentiable_step(tx, {"w": grad}, state, params, step)
+        return torch.autograd.grad((params["w"] ** 2).sum(), w)[0]
+
+    floats = meta_gradient()
+    monkeypatch.setattr(adaptive, "_tensor_math", lambda steps: True)
+    torch.testing.assert_close(meta_gradient(), floats, rtol=1e-6, atol=1e-6)
+    tx = NAMED[name]()
+    g = torch.Generator().manual_seed(5)
+    updated, pure = _params(), _params()
+    updated_state, pure_state = tx.init(updated), tx.init(pure)
+    for step in range(3):
+        gs = {k: torch.randn(p.shape, generator=g) for k, p in updated.items()}
+        u, updated_state = tx.update(_copy(gs), updated_state, updated, step)
+        updated = {k: updated[k] + u[k] for k in updated}
+        pure, pure_state = optim.differentiable_step(tx, gs, pure_state, pure, step)
+    assert _equal(pure, updated) and _equal(pure_state, updated_state)
