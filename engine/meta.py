@@ -134,8 +134,7 @@ def adapt(
     params, rebuild = _split_view(model)
     if steps == 0:
         return model
-    evaluating = torch.is_inference_mode_enabled() or not torch.is_grad_enabled()
-    if evaluating:
+    if not torch.is_grad_enabled():  # an evaluation step (inference_mode turns grad mode off)
         with torch.inference_mode(False), torch.enable_grad():
             params = {k: p.detach().requires_grad_() for k, p in params.items()}
             batch = pytree.tree_map(_usable, batch)
