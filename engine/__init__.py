@@ -8,10 +8,22 @@ returns requests (:class:`Stop`, :class:`Save`, :class:`Log`) that the driver ca
 Checkpoints (:mod:`engine.checkpoint`) resume a run exactly, and :func:`replay` re-executes a
 journaled run and checks it bitwise. Research pieces: :mod:`engine.ensemble` trains E models
 (an ensemble, or a hyperparameter sweep) in one vmapped step; :func:`per_example_grads` and
-:mod:`engine.privacy` (DP-SGD as a step transform).
+:mod:`engine.privacy` (DP-SGD as a step transform); :mod:`engine.meta` (MAML through the
+optimizers' differentiable form).
 """
 
-from engine import checkpoint, data, ensemble, listeners, loggers, optim, privacy, rng, transforms
+from engine import (
+    checkpoint,
+    data,
+    ensemble,
+    listeners,
+    loggers,
+    meta,
+    optim,
+    privacy,
+    rng,
+    transforms,
+)
 from engine._replay import Divergence, ReplayError, ReplayReport, UntrustedCodeError, replay
 from engine._version import __version__
 from engine.events import (
@@ -88,6 +100,7 @@ __all__ = [
     "eval_step",
     "listeners",
     "loggers",
+    "meta",
     "optim",
     "per_example_grads",
     "predict_step",

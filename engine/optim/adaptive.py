@@ -6,7 +6,8 @@ kernel), so the named optimizers in :mod:`engine.optim.aliases` reproduce torch.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -54,18 +55,73 @@ def _adam_moments(g, state: ScaleByAdamState, keys, b1, b2, eps, amsgrad, lr):
         vmax = [state.max_exp_avg_sq[k] for k in keys]
         torch._foreach_maximum_(vmax, v)
         v = vmax
+    step_size, bc2_sqrt = _adam_corrections(steps, b1, b2, lr)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    return step_size, denom, m
+
+
+def _adam_corrections(steps: Sequence[Tensor], b1: float, b2: float, lr) -> tuple[list, list]:
+    """Adam's ``step_size`` (``lr / (1 - b1^t)``, negated) and ``sqrt(1 - b2^t)`` per tensor."""
     num = -1.0 if lr is None else lr
-    if _tensor_math(steps):
+    bc1: list[Any]
+    bc2_sqrt: list[Any]
+    if _tensor_math(list(steps)):
         bc1 = [1 - torch.pow(b1, _f64(s)) for s in steps]
         bc2_sqrt = [(1 - torch.pow(b2, _f64(s))).sqrt() for s in steps]
     else:
         bc1 = [1 - b1 ** s.item() for s in steps]
         bc2_sqrt = [(1 - b2 ** s.item()) ** 0.5 for s in steps]
-    step_size = [(num / bc) * -1 for bc in bc1]
-    denom = torch._foreach_sqrt(v)
-    torch._foreach_div_(denom, bc2_sqrt)
-    torch._foreach_add_(denom, eps)
-    return step_size, denom, m
+    return [(num / bc) * -1 for bc in bc1], bc2_sqrt
+
+
+def _adam_moments_out_of_place(g, state: ScaleByAdamState, keys, b1, b2, eps, amsgrad, lr):
+    """:func:`_adam_moments` with new tensors for everything: ``(new_state, step_size, denom,
+    exp_avgs)``, the same ops in the same order (so the same numbers), recorded by autograd."""
+    steps = torch._foreach_add([state.step[k] for k in keys], 1.0)
+    m = torch._foreach_lerp([state.exp_avg[k] for k in keys], g, 1 - b1)
+    v = torch._foreach_mul([state.exp_avg_sq[k] for k in keys], b2)
+    v = torch._foreach_addcmul(list(v), g, g, 1 - b2)
+    vmax = torch._foreach_maximum([state.max_exp_avg_sq[k] for k in keys], v) if amsgrad else ()
+    step_size, bc2_sqrt = _adam_corrections(steps, b1, b2, lr)
+    denom = torch._foreach_div(_sqrt(vmax if amsgrad else v), bc2_sqrt)
+    denom = torch._foreach_add(list(denom), eps)
+
+    def keyed(ts: Sequence[Tensor]) -> dict[str, Tensor]:
+        return dict(zip(keys, ts, strict=True))
+
+    new = ScaleByAdamState(keyed(steps), keyed(m), keyed(v), keyed(vmax) if amsgrad else {})
+    return new, step_size, denom, m
+
+
+def _sqrt(xs: Sequence[Tensor]) -> list[Tensor]:
+    """``torch._foreach_sqrt(xs)`` whose derivative is 0 where an ``x`` is exactly 0 (not
+    infinite): a parameter whose gradient is exactly zero (a dead ReLU's) has zero moments, and
+    ``0 * inf`` would make the whole meta-gradient NaN. The values are sqrt's, bitwise."""
+    if not torch.is_grad_enabled() or not any(x.requires_grad for x in xs):
+        return list(torch._foreach_sqrt(list(xs)))
+    return list(_SqrtZeroAtZero.apply(*xs))
+
+
+class _SqrtZeroAtZero(torch.autograd.Function):
+    """The forward is one ``_foreach_sqrt``; the masking costs only in backward. The backward
+    is made of differentiable ops, so it can itself be differentiated."""
+
+    @staticmethod
+    def forward(ctx: Any, *xs: Tensor) -> tuple[Tensor, ...]:
+        out = tuple(torch._foreach_sqrt(list(xs)))
+        ctx.save_for_backward(*out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, ...]:
+        out = []
+        for root, g in zip(ctx.saved_tensors, grads, strict=True):
+            nonzero = root != 0
+            safe = torch.where(nonzero, root, 1.0)
+            out.append(torch.where(nonzero, g / (2 * safe), 0.0))
+        return tuple(out)
 
 
 def scale_by_adam(
@@ -122,6 +178,18 @@ def scale_by_adam(
         torch._foreach_div_(out, denom)
         return dict(zip(keys, out, strict=True)), state
 
+    def differentiable(updates: Updates, state: ScaleByAdamState, params: Params, step: int):
+        if not updates:
+            return updates, state
+        _check_keys(updates, state.exp_avg, "scale_by_adam")
+        keys = list(updates)
+        lr_now = None if lr is None else _lr_at(lr, step)
+        new, step_size, denom, m = _adam_moments_out_of_place(
+            [updates[k] for k in keys], state, keys, b1, b2, eps, amsgrad, lr_now
+        )
+        out = torch._foreach_div(torch._foreach_mul(m, step_size), denom)
+        return dict(zip(keys, out, strict=True)), new
+
     def apply(grads: Updates, state: ScaleByAdamState, params: Params, step: int):
         if not grads:
             return state
@@ -139,7 +207,9 @@ def scale_by_adam(
             torch._foreach_addcdiv_(plist, m, denom, step_size)
         return state
 
-    return GradientTransformation(init, update, None if lr is None else apply)
+    return GradientTransformation(
+        init, update, None if lr is None else apply, differentiable=differentiable
+    )
 
 
 class ScaleByRmsState(NamedTuple):
@@ -208,6 +278,29 @@ def scale_by_rms(
         torch._foreach_div_(g, avg)
         return updates, state
 
+    def differentiable(updates: Updates, state: ScaleByRmsState, params: Params, step: int):
+        if not updates:
+            return updates, state
+        _check_keys(updates, state.square_avg, "scale_by_rms")
+        keys = list(updates)
+        g = [updates[k] for k in keys]
+        sq = torch._foreach_mul([state.square_avg[k] for k in keys], alpha)
+        sq = torch._foreach_addcmul(sq, g, g, value=1 - alpha)
+        ga: list[Tensor] | tuple[Tensor, ...] = []
+        if centered:
+            ga = torch._foreach_lerp([state.grad_avg[k] for k in keys], g, 1 - alpha)
+            avg = _sqrt(torch._foreach_addcmul(sq, ga, ga, value=-1))
+        else:
+            avg = _sqrt(sq)
+        avg = list(torch._foreach_add(avg, eps))
+        if lr is not None:
+            g = list(torch._foreach_mul(g, -_lr_at(lr, step)))
+        out = torch._foreach_div(g, avg)
+        new = ScaleByRmsState(
+            dict(zip(keys, sq, strict=True)), dict(zip(keys, ga, strict=True)) if centered else {}
+        )
+        return dict(zip(keys, out, strict=True)), new
+
     def apply(grads: Updates, state: ScaleByRmsState, params: Params, step: int):
         if not grads:
             return state
@@ -218,7 +311,9 @@ def scale_by_rms(
         torch._foreach_addcdiv_([params[k] for k in keys], g, avg, value=-_lr_at(lr, step))
         return state
 
-    return GradientTransformation(init, update, None if lr is None else apply)
+    return GradientTransformation(
+        init, update, None if lr is None else apply, differentiable=differentiable
+    )
 
 
 class ScaleByAdagradState(NamedTuple):
@@ -266,14 +361,16 @@ def scale_by_adagrad(
         }
         return ScaleByAdagradState(_steps(params), sums)
 
+    def rates(steps: list[Tensor], lr_now: float | None) -> list:
+        num = 1.0 if lr_now is None else -lr_now
+        if _tensor_math(steps):
+            return [num / (1 + (_f64(s) - 1) * lr_decay) for s in steps]
+        return [num / (1 + (s.item() - 1) * lr_decay) for s in steps]
+
     def numerator_and_std(g, state, keys, lr_now):
         steps = [state.step[k] for k in keys]
         _increment(steps)
-        num = 1.0 if lr_now is None else -lr_now
-        if _tensor_math(steps):
-            clr = [num / (1 + (_f64(s) - 1) * lr_decay) for s in steps]
-        else:
-            clr = [num / (1 + (s.item() - 1) * lr_decay) for s in steps]
+        clr = rates(steps, lr_now)
         sums = [state.sum[k] for k in keys]
         torch._foreach_addcmul_(sums, g, g, value=1)
         std = torch._foreach_sqrt(sums)
@@ -292,6 +389,22 @@ def scale_by_adagrad(
         torch._foreach_div_(g, std)
         return updates, state
 
+    def differentiable(updates: Updates, state: ScaleByAdagradState, params: Params, step: int):
+        if not updates:
+            return updates, state
+        _check_keys(updates, state.sum, "scale_by_adagrad")
+        keys = list(updates)
+        g = [updates[k] for k in keys]
+        steps = list(torch._foreach_add([state.step[k] for k in keys], 1.0))
+        clr = rates(steps, None if lr is None else _lr_at(lr, step))
+        sums = torch._foreach_addcmul([state.sum[k] for k in keys], g, g, value=1)
+        std = torch._foreach_add(_sqrt(sums), eps)
+        out = torch._foreach_div(torch._foreach_mul(g, clr), std)
+        new = ScaleByAdagradState(
+            dict(zip(keys, steps, strict=True)), dict(zip(keys, sums, strict=True))
+        )
+        return dict(zip(keys, out, strict=True)), new
+
     def apply(grads: Updates, state: ScaleByAdagradState, params: Params, step: int):
         if not grads:
             return state
@@ -302,7 +415,9 @@ def scale_by_adagrad(
         torch._foreach_addcdiv_([params[k] for k in keys], g, std)
         return state
 
-    return GradientTransformation(init, update, None if lr is None else apply)
+    return GradientTransformation(
+        init, update, None if lr is None else apply, differentiable=differentiable
+    )
 
 
 class ScaleByLionState(NamedTuple):
@@ -344,4 +459,16 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         torch._foreach_add_(m, g, alpha=1 - b2)
         return dict(zip(keys, c, strict=True)), state
 
-    return GradientTransformation(init, update)
+    def differentiable(updates: Updates, state: ScaleByLionState, params: Params, step: int):
+        if not updates:
+            return updates, state
+        _check_keys(updates, state.exp_avg, "scale_by_lion")
+        keys = list(updates)
+        g = [updates[k] for k in keys]
+        m = [state.exp_avg[k] for k in keys]
+        c = torch._foreach_sign(torch._foreach_add(torch._foreach_mul(m, b1), g, alpha=1 - b1))
+        moved = torch._foreach_add(torch._foreach_mul(m, b2), g, alpha=1 - b2)
+        new = ScaleByLionState(dict(zip(keys, moved, strict=True)))
+        return dict(zip(keys, c, strict=True)), new
+
+    return GradientTransformation(init, update, differentiable=differentiable)

@@ -137,7 +137,7 @@ def _with_fused(
             kernel(keys, grads, state, params, step, decay)
         return state
 
-    return GradientTransformation(base.init, base.update, apply)
+    return GradientTransformation(base.init, base.update, apply, differentiable=base.differentiable)
 
 
 def sgd(

@@ -9,11 +9,17 @@ A :class:`GradientTransformation` is optax's shape with one addition for speed:
 * ``apply(grads, opt_state, params, step) -> opt_state`` (optional) is a *terminal* form that
   writes the new parameters into ``params`` itself, used for fused kernels such as
   ``torch._fused_adamw_``. :func:`apply_gradients` uses it when the last member of a chain has it.
+* ``differentiable(updates, opt_state, params, step) -> (updates, opt_state)`` (optional) is
+  ``update`` out of place: the same math in the same op order, writing into nothing it was given,
+  so autograd records it and a loss can be differentiated through optimizer steps (MAML's inner
+  loop). :func:`differentiable_step` runs it.
 
 Buffers are donated: ``update`` may overwrite the ``updates`` it receives and the tensors of its
 own ``opt_state`` in place, and ``apply`` may overwrite ``params``. That is what keeps a functional
 optimizer as fast and as lean as ``torch.optim``. Callers that need the inputs intact pass
-``donate=False`` to :func:`apply_gradients`, which then works on copies.
+``donate=False`` to :func:`apply_gradients`, which then works on copies. Neither can be
+differentiated through (the writes are in place, under ``torch.no_grad``): that is
+:func:`differentiable_step`'s job.
 
 Parameters, gradients and updates are ``dict[str, Tensor]`` with the same keys in the same order.
 An optimizer state is any pytree of tensors, Python scalars and containers registered with
@@ -23,7 +29,7 @@ An optimizer state is any pytree of tensors, Python scalars and containers regis
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -66,6 +72,9 @@ class GradientTransformation:
     #: how a named optimizer was built (:class:`Recipe`): its name and arguments, for the
     #: Trainer's checks at fit start and for resolving ``total_steps="auto"`` schedules
     recipe: Recipe | None = attrs.field(default=None, kw_only=True, eq=False, repr=False)
+    #: ``update`` out of place, recorded by autograd (see :func:`differentiable_step`); ``None``
+    #: for a transformation that has no such form
+    differentiable: UpdateFn | None = attrs.field(default=None, kw_only=True, repr=False)
 
 
 @attrs.frozen
@@ -168,7 +177,7 @@ def identity() -> GradientTransformation:
     def update(updates: Updates, opt_state: OptState, params: Params, step: int):
         return updates, opt_state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, differentiable=update)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -202,12 +211,26 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    differentiable: UpdateFn | None = None
+    if all(t.differentiable is not None for t in transforms):
+        forms = [cast(UpdateFn, t.differentiable) for t in transforms]
+
+        def out_of_place(updates: Updates, opt_state: tuple, params: Params, step: int):
+            new_state = []
+            for form, s in zip(forms, opt_state, strict=False):
+                updates, s = form(updates, s, params, step)
+                new_state.append(s)
+            return updates, tuple(new_state)
+
+        differentiable = out_of_place
+
     # the optimizer a chain is (clipping then AdamW is AdamW): its last named member
     name = next((t.name for t in reversed(transforms) if t.name is not None), None)
     recipe = ({"transforms": transforms}, lambda a: chain(*a["transforms"]))
     last = transforms[-1].apply
     if last is None:
-        return recorded(GradientTransformation(init, update, name=name), "chain", *recipe)
+        tx = GradientTransformation(init, update, name=name, differentiable=differentiable)
+        return recorded(tx, "chain", *recipe)
     head = transforms[:-1]
 
     def apply(grads: Updates, opt_state: tuple, params: Params, step: int) -> tuple:
@@ -218,7 +241,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         new_state.append(last(grads, opt_state[-1], params, step))
         return tuple(new_state)
 
-    return recorded(GradientTransformation(init, update, apply, name), "chain", *recipe)
+    tx = GradientTransformation(init, update, apply, name, differentiable=differentiable)
+    return recorded(tx, "chain", *recipe)
 
 
 @torch.no_grad()
@@ -252,13 +276,7 @@ def apply_gradients(
         >>> params["w"], new["w"]
         (tensor([0., 0.]), tensor([-0.5000, -0.5000]))
     """
-    if grads.keys() != params.keys():
-        missing = sorted(set(params) - set(grads))
-        extra = sorted(set(grads) - set(params))
-        raise KeyError(
-            f"gradients and parameters have different keys (missing grads: {missing}, "
-            f"grads for unknown params: {extra}); pass one gradient per parameter"
-        )
+    _check_grads(grads, params)
     if donate:
         grads = dict(grads)
     else:
@@ -272,6 +290,89 @@ def apply_gradients(
             updates, opt_state = tx.update(grads, opt_state, params, step)
             apply_updates(params, updates)
     return params, opt_state
+
+
+def _check_grads(grads: Mapping[str, Tensor], params: Params) -> None:
+    if grads.keys() != params.keys():
+        missing = sorted(set(params) - set(grads))
+        extra = sorted(set(grads) - set(params))
+        raise KeyError(
+            f"gradients and parameters have different keys (missing grads: {missing}, "
+            f"grads for unknown params: {extra}); pass one gradient per parameter"
+        )
+
+
+def differentiable_step(
+    tx: GradientTransformation,
+    grads: Mapping[str, Tensor],
+    opt_state: OptState,
+    params: Params,
+    step: int,
+) -> tuple[dict[str, Tensor], OptState]:
+    """One optimizer step that autograd can differentiate through: ``(new_params, new_state)``.
+
+    The step runs ``tx.differentiable``, the out-of-place form of ``tx.update`` (the same ops in
+    the same order, so the numbers are those of ``update`` + ``p + u``, bitwise), and adds the
+    updates to the parameters out of place. Nothing it is given is written to, nothing runs
+    under ``torch.no_grad``: pass gradients taken with ``create_graph=True`` and a later loss
+    differentiates through the step to whatever ``params`` and ``grads`` depend on (MAML's
+    second-order meta-gradient; pass detached gradients for the first-order one). The fast
+    in-place path (:func:`apply_gradients`, the train step) is unchanged; this one allocates new
+    parameters and a new optimizer state every call.
+
+    The named optimizers (``sgd``, ``adam``, ``adamw``, ``rmsprop``, ``adagrad``, ``lion``), the
+    transforms they are chained from, ``chain``, ``masked``, ``multi_transform`` and
+    ``inject_hyperparams`` of them have a differentiable form. Where a square root of a second
+    moment is exactly zero (a gradient that is exactly zero, as a dead ReLU's), its derivative
+    is taken as 0 rather than the infinity that would turn the meta-gradient into NaN.
+
+    Args:
+        tx: the optimizer.
+        grads: one gradient per parameter, same keys as ``params``.
+        opt_state: the optimizer state (``tx.init(params)`` on the first step); not modified.
+        params: the parameters; not modified.
+        step: optimizer steps taken before this one (schedules read it).
+
+    Returns:
+        The new parameters and the new optimizer state, both new tensors.
+
+    Raises:
+        TypeError: if ``tx`` has no differentiable form (``ema_weights``, ``freezable``,
+            ``from_torch`` and hand-built transformations without one).
+        KeyError: if ``grads`` and ``params`` have different keys.
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> w = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> tx = optim.sgd(0.1)
+        >>> (g,) = torch.autograd.grad((w ** 2).sum(), w, create_graph=True)
+        >>> new, _ = optim.differentiable_step(tx, {"w": g}, tx.init({"w": w}), {"w": w}, 0)
+        >>> new["w"]                      # w - 0.1 * 2w
+        tensor([0.8000, 1.6000], grad_fn=<...>)
+        >>> torch.autograd.grad(new["w"].sum(), w)[0]   # d(0.8 w)/dw
+        tensor([0.8000, 0.8000])
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(
+            f"differentiable_step needs an engine.optim GradientTransformation (got "
+            f"{type(tx).__name__}), e.g. optim.sgd(0.1) or optim.adam(1e-3)"
+        )
+    if tx.differentiable is None:
+        what = tx.recipe.name if tx.recipe is not None else tx.name or "this transformation"
+        raise TypeError(
+            f"{what} has no differentiable form, so it cannot be differentiated through: use "
+            "a named optimizer (optim.sgd, adam, adamw, rmsprop, adagrad, lion), or a chain, "
+            "masked, multi_transform or inject_hyperparams of them (ema_weights, freezable "
+            "and from_torch have none)"
+        )
+    _check_grads(grads, params)
+    updates, opt_state = tx.differentiable(dict(grads), opt_state, params, step)
+    if not params:
+        return {}, opt_state
+    keys = list(params)
+    new = torch._foreach_add([params[k] for k in keys], [updates[k] for k in keys])
+    return dict(zip(keys, new, strict=True)), opt_state
 
 
 def _clone(t: Tensor) -> Tensor:

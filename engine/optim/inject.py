@@ -14,7 +14,7 @@ import functools
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from torch import Tensor
 from torch.utils import _pytree as pytree
@@ -24,6 +24,7 @@ from engine.optim.base import (
     GradientTransformation,
     OptState,
     Params,
+    UpdateFn,
     Updates,
     apply_updates,
     recorded,
@@ -97,6 +98,13 @@ def inject_hyperparams(
             out, inner = tx_for(state.hyperparams).update(updates, state.inner, params, step)
             return out, InjectHyperparamsState(state.hyperparams, inner)
 
+        def differentiable(
+            updates: Updates, state: InjectHyperparamsState, params: Params, step: int
+        ):
+            form = cast(UpdateFn, tx_for(state.hyperparams).differentiable)
+            out, inner = form(updates, state.inner, params, step)
+            return out, InjectHyperparamsState(state.hyperparams, inner)
+
         def apply(grads: Updates, state: InjectHyperparamsState, params: Params, step: int):
             tx = tx_for(state.hyperparams)
             if tx.apply is not None:
@@ -111,7 +119,13 @@ def inject_hyperparams(
         given = tuple(kwargs)
         arguments = {**(probe.recipe.arguments if probe.recipe is not None else {}), **kwargs}
         tx = recorded(
-            GradientTransformation(init, update, apply, probe.name),
+            GradientTransformation(
+                init,
+                update,
+                apply,
+                probe.name,
+                differentiable=None if probe.differentiable is None else differentiable,
+            ),
             getattr(factory, "__name__", "inject_hyperparams"),
             arguments,
             functools.partial(_inject_again, factory, given),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, cast
 
 from torch import Tensor
@@ -16,6 +16,7 @@ from engine.optim.base import (
     GradientTransformation,
     OptState,
     Params,
+    UpdateFn,
     Updates,
     apply_updates,
     recorded,
@@ -88,10 +89,13 @@ def masked(tx: GradientTransformation, mask: Mask) -> GradientTransformation:
     def init(params: Params) -> MaskedState:
         return MaskedState(tx.init(split(params, _resolve(mask, params, "mask"))))
 
-    def update(updates: Updates, state: MaskedState, params: Params, step: int):
-        m = _resolve(mask, params, "mask")
-        sub, inner = tx.update(split(updates, m), state.inner, split(params, m), step)
-        return {k: sub[k] if m[k] else u for k, u in updates.items()}, MaskedState(inner)
+    def updating(inner_update: UpdateFn) -> UpdateFn:  # tx.update, or its differentiable form
+        def update(updates: Updates, state: MaskedState, params: Params, step: int):
+            m = _resolve(mask, params, "mask")
+            sub, inner = inner_update(split(updates, m), state.inner, split(params, m), step)
+            return {k: sub[k] if m[k] else u for k, u in updates.items()}, MaskedState(inner)
+
+        return update
 
     inner_apply = cast(ApplyFn, tx.apply)  # only used when tx has one (see below)
 
@@ -103,8 +107,14 @@ def masked(tx: GradientTransformation, mask: Mask) -> GradientTransformation:
             apply_updates(rest, grads)
         return MaskedState(inner)
 
+    differentiable = None if tx.differentiable is None else updating(tx.differentiable)
     return recorded(
-        GradientTransformation(init, update, None if tx.apply is None else apply),
+        GradientTransformation(
+            init,
+            updating(tx.update),
+            None if tx.apply is None else apply,
+            differentiable=differentiable,
+        ),
         "masked",
         {"tx": tx, "mask": mask},
         lambda a: masked(a["tx"], a["mask"]),
@@ -168,15 +178,24 @@ def multi_transform(
             }
         )
 
-    def update(updates: Updates, state: MultiTransformState, params: Params, step: int):
-        new: dict[str, Tensor] = {}
-        inner = {}
-        for label, ks in groups(params).items():
-            sub, inner[label] = transforms[label].update(
-                {k: updates[k] for k in ks}, state.inner[label], {k: params[k] for k in ks}, step
-            )
-            new.update(sub)
-        return {k: new[k] for k in updates}, MultiTransformState(inner)
+    def updating(form: Callable[[GradientTransformation], UpdateFn]) -> UpdateFn:
+        """The update that runs ``form(tx)`` (``update``, or the differentiable form) of each
+        group's transformation."""
+
+        def update(updates: Updates, state: MultiTransformState, params: Params, step: int):
+            new: dict[str, Tensor] = {}
+            inner = {}
+            for label, ks in groups(params).items():
+                sub, inner[label] = form(transforms[label])(
+                    {k: updates[k] for k in ks},
+                    state.inner[label],
+                    {k: params[k] for k in ks},
+                    step,
+                )
+                new.update(sub)
+            return {k: new[k] for k in updates}, MultiTransformState(inner)
+
+        return update
 
     def apply(grads: Updates, state: MultiTransformState, params: Params, step: int):
         inner = {}
@@ -195,8 +214,17 @@ def multi_transform(
     # param groups are of one class)
     names = {t.name for t in transforms.values()}
     name = names.pop() if len(names) == 1 else None
+    differentiable = None
+    if all(t.differentiable is not None for t in transforms.values()):
+        differentiable = updating(lambda t: cast(UpdateFn, t.differentiable))
     return recorded(
-        GradientTransformation(init, update, apply if has_apply else None, name),
+        GradientTransformation(
+            init,
+            updating(lambda t: t.update),
+            apply if has_apply else None,
+            name,
+            differentiable=differentiable,
+        ),
         "multi_transform",
         {"transforms": dict(transforms), "labels": labels},
         lambda a: multi_transform(a["transforms"], a["labels"]),

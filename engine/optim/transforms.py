@@ -2,7 +2,9 @@
 
 Every transform here follows the protocol of :mod:`engine.optim.base`: it may overwrite the
 ``updates`` it receives and its own state tensors in place, and never touches ``params`` in
-``update``. Hot loops are single ``torch._foreach_*`` calls over all tensors.
+``update``. Hot loops are single ``torch._foreach_*`` calls over all tensors. Each also has a
+``differentiable`` form: the same ``_foreach`` ops in the same order, out of place, for
+:func:`~engine.optim.differentiable_step`.
 
 Transforms that end a torch.optim step (:func:`scale_by_learning_rate`,
 :func:`decoupled_weight_decay`, and :func:`scale_by_adam` / :func:`scale_by_rms` /
@@ -15,6 +17,7 @@ chain ending in one of them reproduces ``torch.optim`` bitwise under
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -59,7 +62,12 @@ def scale(factor: float) -> GradientTransformation:
             torch._foreach_mul_(list(updates.values()), factor)
         return updates, state
 
-    return GradientTransformation(init, update)
+    def differentiable(updates: Updates, state: tuple, params: Params, step: int):
+        if not updates:
+            return updates, state
+        return _keyed(updates, torch._foreach_mul(list(updates.values()), factor)), state
+
+    return GradientTransformation(init, update, differentiable=differentiable)
 
 
 def scale_by_learning_rate(lr: ScheduleLike) -> GradientTransformation:
@@ -89,6 +97,12 @@ def scale_by_learning_rate(lr: ScheduleLike) -> GradientTransformation:
         torch._foreach_mul_(list(updates.values()), -_lr_at(lr, step))
         return updates, state
 
+    def differentiable(updates: Updates, state: tuple, params: Params, step: int):
+        if not updates:
+            return updates, state
+        scaled = torch._foreach_mul(list(updates.values()), -_lr_at(lr, step))
+        return _keyed(updates, scaled), state
+
     def apply(grads: Updates, state: tuple, params: Params, step: int) -> tuple:
         if grads:
             torch._foreach_add_(
@@ -96,7 +110,7 @@ def scale_by_learning_rate(lr: ScheduleLike) -> GradientTransformation:
             )
         return state
 
-    return GradientTransformation(init, update, apply)
+    return GradientTransformation(init, update, apply, differentiable=differentiable)
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -126,7 +140,16 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
             )
         return updates, state
 
-    return GradientTransformation(init, update)
+    def differentiable(updates: Updates, state: tuple, params: Params, step: int):
+        if not updates or weight_decay == 0:
+            return updates, state
+        keys = list(updates)
+        decayed = torch._foreach_add(
+            [updates[k] for k in keys], [params[k] for k in keys], alpha=weight_decay
+        )
+        return dict(zip(keys, decayed, strict=True)), state
+
+    return GradientTransformation(init, update, differentiable=differentiable)
 
 
 def decoupled_weight_decay(weight_decay: float, lr: ScheduleLike) -> GradientTransformation:
@@ -169,6 +192,15 @@ def decoupled_weight_decay(weight_decay: float, lr: ScheduleLike) -> GradientTra
         torch._foreach_sub_(new, plist)
         return dict(zip(keys, new, strict=True)), state
 
+    def differentiable(updates: Updates, state: tuple, params: Params, step: int):
+        if not updates or weight_decay == 0:
+            return updates, state
+        keys = list(updates)
+        plist = [params[k] for k in keys]
+        new = torch._foreach_mul(plist, 1 - _lr_at(lr, step) * weight_decay)
+        new = torch._foreach_add(new, [updates[k] for k in keys])
+        return dict(zip(keys, torch._foreach_sub(new, plist), strict=True)), state
+
     def apply(grads: Updates, state: tuple, params: Params, step: int) -> tuple:
         if grads:
             plist = list(params.values())
@@ -177,7 +209,7 @@ def decoupled_weight_decay(weight_decay: float, lr: ScheduleLike) -> GradientTra
             torch._foreach_add_(plist, [grads[k] for k in params])
         return state
 
-    return GradientTransformation(init, update, apply)
+    return GradientTransformation(init, update, apply, differentiable=differentiable)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -211,7 +243,21 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             torch._foreach_mul_(gs, coef.to(device))
         return updates, state
 
-    return GradientTransformation(init, update)
+    def differentiable(updates: Updates, state: tuple, params: Params, step: int):
+        if not updates:
+            return updates, state
+        total = torch.nn.utils.get_total_norm(list(updates.values()), 2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        by_device: dict[torch.device, list[str]] = {}
+        for k, g in updates.items():
+            by_device.setdefault(g.device, []).append(k)
+        out: dict[str, Tensor] = {}
+        for device, keys in by_device.items():
+            scaled = torch._foreach_mul([updates[k] for k in keys], coef.to(device))
+            out.update(zip(keys, scaled, strict=True))
+        return {k: out[k] for k in updates}, state
+
+    return GradientTransformation(init, update, differentiable=differentiable)
 
 
 def clip_by_value(limit: float) -> GradientTransformation:
@@ -236,7 +282,13 @@ def clip_by_value(limit: float) -> GradientTransformation:
             torch._foreach_clamp_max_(us, limit)
         return updates, state
 
-    return GradientTransformation(init, update)
+    def differentiable(updates: Updates, state: tuple, params: Params, step: int):
+        if not updates:
+            return updates, state
+        low = torch._foreach_clamp_min(list(updates.values()), -limit)
+        return _keyed(updates, torch._foreach_clamp_max(low, limit)), state
+
+    return GradientTransformation(init, update, differentiable=differentiable)
 
 
 # --------------------------------------------------------------------------- stateful transforms
@@ -299,4 +351,25 @@ def trace(
             torch._foreach_copy_(us, bufs)
         return updates, state
 
-    return GradientTransformation(init, update)
+    def differentiable(updates: Updates, state: TraceState, params: Params, step: int):
+        if not updates:
+            return updates, state
+        _check_keys(updates, state.momentum_buffer, "trace")
+        keys = list(updates)
+        us = [updates[k] for k in keys]
+        bufs: Sequence[Tensor]
+        if step == 0:
+            bufs = [u.clone() for u in us]  # torch.optim's first buffer is a copy of the update
+        else:
+            decayed = torch._foreach_mul([state.momentum_buffer[k] for k in keys], momentum)
+            bufs = torch._foreach_add(decayed, us, alpha=1 - dampening)
+        out = torch._foreach_add(us, bufs, alpha=momentum) if nesterov else bufs
+        buffers = dict(zip(keys, bufs, strict=True))
+        return dict(zip(keys, out, strict=True)), TraceState(buffers)
+
+    return GradientTransformation(init, update, differentiable=differentiable)
+
+
+def _keyed(like: Updates, tensors: Sequence[Tensor]) -> Updates:
+    """``tensors`` (computed from ``like``'s values, in order) under ``like``'s keys."""
+    return dict(zip(like, tensors, strict=True))
