@@ -17,6 +17,11 @@ the run's (``total_steps="auto"``), gradients clipped to norm 1, a checkpoint ev
 ``--sample-chars`` characters after ``--prompt``, drawn with a generator seeded from
 ``(--seed, step)``, so the same checkpoint writes the same text.
 
+On a CPU without bfloat16 instructions (AVX-512 BF16, AMX) torch emulates the bf16 matmuls,
+about 19 times slower than float32's on the 2-core AVX2 machine this was measured on: there
+the defaults train in 3.8 minutes, and ``--precision 32-true`` in 0.6, to the same 3.34
+bits per character (6.49 untrained).
+
 Under ``--strategy ddp`` the Trainer runs this script once more per extra rank (the run is
 under ``if __name__ == "__main__"`` for that reason); ``--batch`` is per rank, and rank 0
 prints (every rank draws the same sample).
