@@ -330,10 +330,19 @@ class TrainState:
         """Copy params and buffers into ``module`` (strict) and return it, e.g. for export.
 
         A sharded state's DTensors are gathered first (a collective: call it on every rank).
+        Tied weights (one tensor under two names, as an output layer sharing the embedding's)
+        are held once in the state, under the first name; the module's other names for them
+        get the same values.
         """
-        module.load_state_dict(
-            {k: _full(t.detach()) for k, t in {**self.params, **self.buffers}.items()}, strict=True
-        )
+        tensors = {k: _full(t.detach()) for k, t in {**self.params, **self.buffers}.items()}
+        named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(
+            remove_duplicate=False))  # fmt: skip
+        first: dict[int, str] = {}
+        for name, t in named:
+            known = first.setdefault(id(t), name)
+            if name not in tensors and known in tensors:
+                tensors[name] = tensors[known]
+        module.load_state_dict(tensors, strict=True)
         return module
 
     def __repr__(self) -> str:

@@ -106,3 +106,18 @@ def test_create_rejects_bad_input_naming_the_value(kwargs, error, match):
     args = {"model": _mlp(), "tx": optim.sgd(0.1), "seed": 0} | kwargs
     with pytest.raises(error, match=match):
         eg.TrainState.create(args.pop("model"), args.pop("tx"), **args)
+
+
+def test_load_into_fills_every_name_of_a_tied_weight():
+    def tied() -> torch.nn.Module:
+        m = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+        m[1].weight = m[0].weight
+        return m
+
+    state = eg.TrainState.create(tied(), optim.sgd(0.1)).copy()
+    assert list(state.params) == ["0.weight"]  # held once
+    with torch.no_grad():
+        state.params["0.weight"].fill_(2.0)
+    fresh = state.load_into(tied())
+    assert torch.equal(fresh[0].weight, torch.full((5, 3), 2.0))
+    assert fresh[1].weight is fresh[0].weight  # still tied
