@@ -160,6 +160,26 @@ def test_compose_applies_every_hook_in_the_one_declared_order():
         transforms.compose(strategy=_Recorder("strategy", log))
 
 
+def test_prepare_gives_the_precisions_param_dtype_and_the_optimizer_to_who_declares_them():
+    seen: list[tuple] = []
+
+    class Gathers(Transform):  # a sharding strategy's prepare, as FSDP's declares it
+        def prepare(self, state, tx=None, param_dtype=None):
+            seen.append((tx, param_dtype))
+            return state
+
+    tx = optim.sgd(0.1)
+    for precision in ("bf16-mixed", "16-mixed", "32-true", "bf16-true"):
+        pipeline = transforms.compose(
+            precision=transforms.precision_transform(precision), observe=Gathers()
+        )
+        pipeline.prepare(eg.TrainState.create(_model(), tx), tx)
+    # bf16-mixed gathers in bfloat16; 16-mixed keeps float32 gathers; a true precision's
+    # parameters are already in their dtype
+    assert seen == [(tx, torch.bfloat16), (tx, None), (tx, None), (tx, None)]
+    assert transforms.compose(precision=transforms.MixedPrecision()).param_dtype == torch.bfloat16
+
+
 def test_compose_refuses_what_is_not_a_transform():
     with pytest.raises(TypeError, match=r"not an engine\.transforms\.Transform"):
         transforms.compose(precision="bf16-mixed")

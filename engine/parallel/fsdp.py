@@ -15,12 +15,22 @@ replicated) over a one-dimensional device mesh of the ``W`` ranks. What a step d
   parameter where the forward reads it: per *unit* (the modules ``auto_wrap_policy`` picks, as
   torch's ``fully_shard`` is applied per transformer block, and the root for the rest), in a
   forward pre-hook of the unit, its slots given back their shards after the unit's forward. The
-  gather is ``DTensor.full_tensor(grad_placements=[Partial()])``, whose backward is a
+  gather is ``DTensor.full_tensor(grad_placements=[Partial()])``'s two steps (``redistribute``
+  to ``Replicate()``, in the dtype below, then ``to_local``), whose backward is a
   reduce-scatter: each rank receives the sum over the ranks of its shard's gradient;
 * ``reshard_after_forward=True`` (``FULL_SHARD``, ZeRO-3): a gathered parameter is not kept for
   the backward pass; what autograd saves of it is a reference to the shard, gathered again
   when backward needs it (saved-tensor hooks, in ``wrap_grad``). ``False`` (``SHARD_GRAD_OP``,
   ZeRO-2): the gathered parameter stays from the forward to the backward;
+* under ``"bf16-mixed"`` (the pipeline's precision declares ``param_dtype``, which
+  ``prepare`` is given) each float32 shard is cast to bfloat16 before the all-gather and each
+  gradient back to float32 before the reduce-scatter (FSDP2's ``MixedPrecisionPolicy(
+  param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``): the gathers move half the bytes,
+  the forward reads the gathered bfloat16 tensor itself (autocast makes no copy of it, so
+  under ``FULL_SHARD`` what backward keeps is the shard), and the shards, their gradients and
+  the optimizer state stay float32. Every parameter is read in bfloat16, also where autocast
+  runs an operation in float32 (a norm's weight, whose float32 copy autocast makes and
+  backward keeps), as under FSDP2;
 * ``reduce`` divides the reduce-scattered sums by ``W`` (the average, as DDP's), once per
   optimizer step, before the precision's finite check and the clip: the optimizer then updates
   each rank's shard in place. Clipping's global norm is a DTensor reduction over every shard.
@@ -89,6 +99,13 @@ def full_state(state: TrainState) -> TrainState:
 
 class FSDP(DDP):
     """Fully sharded data parallel (Lightning's ``strategy="fsdp"``), on DTensors.
+
+    The precision decides what the gathers move: under ``"bf16-mixed"`` the shards are cast to
+    bfloat16 before each all-gather and the gradients to float32 before each reduce-scatter
+    (FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``;
+    the shards, gradients and optimizer state stay float32); under any other precision the
+    shards' own dtype. The pipeline tells ``prepare`` (``param_dtype``, what the precision
+    declares as :attr:`~engine.transforms.Transform.param_dtype`).
 
     Args:
         auto_wrap_policy: which submodules are units, each gathered at its own forward and
@@ -178,6 +195,8 @@ class FSDP(DDP):
         self._param_specs: dict[str, _Spec] = {}
         self._opt_specs: list[_Spec | None] = []
         self._loss_scaled = False
+        # what the parameters are gathered in (None: the shards' own dtype); see prepare
+        self._gather_dtype: torch.dtype | None = None
         # the gathered tensors alive in this step's forward, by storage (see _Saved)
         self._saved = _Saved()
 
@@ -200,9 +219,19 @@ class FSDP(DDP):
 
     # ------------------------------------------------------------------ step hooks
 
-    def prepare(self, state: TrainState, tx: GradientTransformation | None = None) -> TrainState:
+    def prepare(
+        self,
+        state: TrainState,
+        tx: GradientTransformation | None = None,
+        param_dtype: torch.dtype | None = None,
+    ) -> TrainState:
         """``state`` with this rank's shards of its parameters, partial gradient sum and
-        optimizer state (rank 0's values: broadcast first); a sharded state as it is."""
+        optimizer state (rank 0's values: broadcast first); a sharded state as it is.
+
+        ``param_dtype`` (the pipeline's precision declares it: ``"bf16-mixed"``'s bfloat16) is
+        the dtype the steps gather the parameters in; their gradients are reduced in the
+        shards' own dtype."""
+        self._gather_dtype = param_dtype
         if state.sharded:
             return state
         state = super().prepare(state)  # rank 0's bits everywhere (and synced batch norms)
@@ -249,12 +278,21 @@ class FSDP(DDP):
 
     def gather(self, shard: Tensor) -> Tensor:
         """The full value of ``shard`` (a plain tensor passes), its gradient reduce-scattered
-        back to the shard in backward (summed over the ranks)."""
+        back to the shard in backward (summed over the ranks).
+
+        Under a precision that declares a ``param_dtype`` (``"bf16-mixed"``) a floating shard
+        is cast to it before the all-gather (the gather moves, and the forward reads, bfloat16)
+        and the gradient back to the shard's dtype before the reduce-scatter (float32
+        reduction, as FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32)``)."""
         from torch.distributed.tensor import DTensor, Partial
 
         if not isinstance(shard, DTensor):
             return shard
-        full = shard.full_tensor(grad_placements=[Partial()] * shard.device_mesh.ndim)
+        dtype = _gather_dtype(shard, self._gather_dtype)
+        full = _gathered(shard, dtype).to_local(
+            grad_placements=[Partial()] * shard.device_mesh.ndim
+        )
         if self.reshard_after_forward and not torch.compiler.is_compiling():
             if not full.is_contiguous():
                 full = full.contiguous()
@@ -388,6 +426,27 @@ class FSDP(DDP):
 
 
 # ---------------------------------------------------------------------- sharding
+
+
+def _gather_dtype(shard: Tensor, wanted: torch.dtype | None) -> torch.dtype | None:
+    """The dtype ``shard`` is gathered in: ``wanted`` for a floating shard of another dtype,
+    else ``None`` (its own)."""
+    if wanted is None or not shard.is_floating_point() or shard.dtype == wanted:
+        return None
+    return wanted
+
+
+def _gathered(shard: Any, dtype: torch.dtype | None) -> Any:
+    """``shard`` replicated (the all-gather), cast to ``dtype`` before it (``None``: not
+    cast); in backward the gradient is cast to the shard's dtype before the reduce-scatter
+    (``DTensor.redistribute``'s ``forward_dtype`` / ``backward_dtype``, traced by
+    ``torch.compile`` as the rest)."""
+    from torch.distributed.tensor import Replicate
+
+    mesh = shard.device_mesh
+    return shard.redistribute(
+        mesh, [Replicate()] * mesh.ndim, forward_dtype=dtype, backward_dtype=shard.dtype
+    )
 
 
 def _agree_finite(grads: list[Tensor]) -> list[Tensor]:
@@ -575,7 +634,7 @@ class _Saved:
     """
 
     def __init__(self) -> None:
-        self.live: dict[int, tuple[Any, Tensor, int]] = {}
+        self.live: dict[int, tuple[Any, Tensor, int, torch.dtype | None]] = {}
         self.active = False
 
     def add(self, full: Tensor, shard: Tensor) -> None:
@@ -585,6 +644,7 @@ class _Saved:
                 StorageWeakRef(storage),
                 shard,
                 int(full.storage_offset()),
+                _gather_dtype(shard, full.dtype),  # gathered again as it was (bfloat16)
             )
 
     def _pack(self, t: Tensor) -> Any:
@@ -595,15 +655,15 @@ class _Saved:
         entry = self.live.get(key)
         if entry is None or entry[0].expired():
             return t
-        _, shard, base = entry
-        return (_Regather, shard, t.size(), t.stride(), t.storage_offset() - base)
+        _, shard, base, dtype = entry
+        return (_Regather, shard, dtype, t.size(), t.stride(), t.storage_offset() - base)
 
     @staticmethod
     def _unpack(packed: Any) -> Tensor:
         if isinstance(packed, tuple) and packed and packed[0] is _Regather:
-            _, shard, size, stride, offset = packed
+            _, shard, dtype, size, stride, offset = packed
             with torch.no_grad():
-                full = shard.full_tensor().contiguous()
+                full = _gathered(shard, dtype).to_local().contiguous()
             return full.as_strided(size, stride, offset)
         return packed
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
 from torch import Tensor
 
 from engine.optim.base import GradientTransformation
@@ -76,13 +77,18 @@ class Transform:
     #: (:class:`~engine.step.Forward`), so numbers a transition changes and a checkpoint
     #: carries steer it (DP-SGD's noise multiplier and sampling rate)
     reads_extra: tuple[str, ...] = ()
+    #: the dtype the forward pass may read the parameters in, declared by a precision that
+    #: computes in it (``"bf16-mixed"``: ``torch.bfloat16``): a sharding strategy gathers the
+    #: parameters in it (FSDP2's ``MixedPrecisionPolicy.param_dtype``). ``None``: their own
+    param_dtype: torch.dtype | None = None
 
     def prepare(self, state: TrainState) -> TrainState:
         """The state, made ready once before the steps run (placed, cast, sharded).
 
         A transform that must see the optimizer (to shard its state as the parameters are)
         declares ``prepare(self, state, tx=None)``: :meth:`Pipeline.prepare` passes the run's
-        optimizer to it."""
+        optimizer to it; one that gathers parameters declares ``param_dtype=None`` too, and is
+        passed the pipeline's (see :attr:`param_dtype`)."""
         return state
 
     def bind(self, module: Any, params: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import torch
 from torch import Tensor
 
 from engine.optim.base import GradientTransformation, chain
@@ -181,12 +182,13 @@ def _reducing(update_fn: UpdateFn, reducers: tuple[Callable[[Any], Any], ...]) -
     return update
 
 
-def _takes_tx(t: Transform) -> bool:
-    """Whether ``t.prepare`` declares a ``tx`` parameter (it sees the optimizer)."""
+def _declared(t: Transform) -> frozenset[str]:
+    """Which of ``tx`` (the optimizer) and ``param_dtype`` ``t.prepare`` declares."""
     try:
-        return "tx" in inspect.signature(t.prepare).parameters
+        names = inspect.signature(t.prepare).parameters
     except (TypeError, ValueError):
-        return False
+        return frozenset()
+    return frozenset(n for n in ("tx", "param_dtype") if n in names)
 
 
 def _flag(kind: Callable[[], Transform], on: bool) -> Transform | None:
@@ -230,10 +232,18 @@ class Pipeline:
     def prepare(self, state: TrainState, tx: GradientTransformation | None = None) -> TrainState:
         """The state made ready for the steps: each transform's ``prepare``, in order, those
         that take one given the run's optimizer ``tx`` (a sharding strategy shards its state as
-        it shards the parameters)."""
+        it shards the parameters) and the pipeline's :attr:`param_dtype` (it gathers the
+        parameters in it)."""
+        given: dict[str, Any] = {"tx": tx, "param_dtype": self.param_dtype}
         for t in self.transforms:
-            state = t.prepare(state, tx) if _takes_tx(t) else t.prepare(state)  # type: ignore[call-arg]
+            state = t.prepare(state, **{k: given[k] for k in _declared(t)})
         return state
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype the forward may read the parameters in, as a transform (the precision)
+        declares it (:attr:`Transform.param_dtype`); ``None`` when none does."""
+        return next((t.param_dtype for t in self.transforms if t.param_dtype is not None), None)
 
     def bind_fn(self) -> Callable[[Any, dict[str, Tensor]], dict[str, Tensor]] | None:
         """Every ``bind``, outermost last (``None`` when no transform binds)."""

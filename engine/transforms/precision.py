@@ -262,7 +262,10 @@ class MixedPrecision(Transform):
     With float16 a :class:`DynamicLossScale` scales the loss (its state, ``{"scale",
     "growth_tracker"}``, lives in ``TrainState.precision`` and travels with checkpoints); an
     optimizer step whose gradients hold an inf or NaN is skipped and reported as the metric
-    ``"skipped"`` (1.0; 0.0 on the steps taken).
+    ``"skipped"`` (1.0; 0.0 on the steps taken). With bfloat16 it declares
+    :attr:`~engine.transforms.Transform.param_dtype`: a sharding strategy
+    (``engine.parallel.FSDP``) gathers the parameters in bfloat16, and reduces their gradients
+    in float32.
 
     Args:
         dtype: ``torch.bfloat16`` or ``torch.float16``.
@@ -305,6 +308,12 @@ class MixedPrecision(Transform):
                 f"MixedPrecision(loss_scale={loss_scale!r}): pass a DynamicLossScale(...) or None"
             )
         self.loss_scale: DynamicLossScale | None = loss_scale
+        # what a sharding strategy gathers the parameters in (Transform.param_dtype): bfloat16,
+        # the dtype autocast runs the forward's matrix products in. Not float16: a parameter
+        # that autocast reads in float32 (a norm's weight) would get its gradient, scaled by
+        # the loss scale and summed over the batch, squeezed through float16 on its way to
+        # the float32 reduction, and overflow (a skipped step) where autocast keeps it float32
+        self.param_dtype = torch.bfloat16 if dtype == torch.bfloat16 else None
         if device_type is not None and device_type not in ("cpu", "cuda", "mps", "xpu"):
             raise ValueError(
                 f"MixedPrecision(device_type={device_type!r}): pass 'cpu', 'cuda', 'mps' or None "
