@@ -93,6 +93,12 @@ CHOICES: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_progress_bar": (_FLAG, ""),
     "enable_model_summary": (_FLAG, ""),
     "enable_journal": (_FLAG, ""),
+    "enable_autolog_hparams": ((True, False), ""),
+    "model_registry": (
+        (None,),
+        "uploading to Lightning AI's model registry is not supported: write the weights with "
+        "engine.checkpoint.export(path, 'model.pt') and upload them with your registry's tool",
+    ),
     "deterministic": ((None, True, False, "warn"), ""),
     "benchmark": (_FLAG, ""),
     "profiler": ((None, "simple", "pytorch"), ""),
@@ -544,6 +550,7 @@ class FlagViews:
     enable_progress_bar: bool = _flag("enable_progress_bar")
     enable_model_summary: bool = _flag("enable_model_summary")
     enable_journal: bool = _flag("enable_journal")
+    enable_autolog_hparams: bool = _flag("enable_autolog_hparams")
     profiler: str | None = _flag("profiler")
     default_root_dir: str = _flag("default_root_dir")
 

@@ -83,10 +83,12 @@ class Trainer(FlagViews):
     directory that :func:`engine.replay` can re-execute and check bitwise. The flags
     ``precision`` takes Lightning's six precisions and their aliases
     (:mod:`engine.transforms.precision`), ``accelerator`` / ``devices`` one CPU, CUDA or MPS
-    device (:mod:`engine.transforms.devices`); ``plugins`` takes engine's precision transforms,
-    placement, anomaly detection and :class:`~engine.checkpoint.CheckpointIO`. ``strategy``,
-    ``num_nodes`` and ``sync_batchnorm`` accept their single-process values until DDP and FSDP
-    land; other values raise an error saying so.
+    device or several (:mod:`engine.transforms.devices`); ``plugins`` takes engine's precision
+    transforms, placement, anomaly detection, :class:`~engine.privacy.DPSGD` and
+    :class:`~engine.checkpoint.CheckpointIO`; ``strategy`` the data-parallel and fully sharded
+    strategies (:mod:`engine.parallel`). Lightning 2.6's ``enable_autolog_hparams`` decides
+    whether the task's ``hparams`` go to the loggers; its ``model_registry`` (an upload to
+    Lightning AI's hosted registry) takes only ``None``.
 
     The flags are checked and resolved once, into ``trainer.config`` (a frozen
     :class:`~engine.loop.LoopConfig`: Lightning's defaults filled in, ``fast_dev_run`` and
@@ -150,6 +152,8 @@ class Trainer(FlagViews):
         default_root_dir: str | os.PathLike[str] | None = None,
         compile: bool | Mapping[str, Any] = False,
         enable_journal: bool | None = None,
+        enable_autolog_hparams: bool = True,
+        model_registry: str | None = None,
     ) -> None:
         flags = {name: value for name, value in locals().items() if name != "self"}
         # every flag checked and resolved, once; the loop and the listeners read this record
@@ -1212,7 +1216,8 @@ class Trainer(FlagViews):
         enable_validation = sum(self.num_val_batches) > 0
         if task.hparams:
             checkpoint._hparams_doc(task.hparams)  # a value checkpoints cannot hold: named now
-            for lg in self.loggers if self.is_global_zero else ():
+            autolog = self.config.enable_autolog_hparams
+            for lg in self.loggers if self.is_global_zero and autolog else ():
                 lg.log_hyperparams(dict(task.hparams))
         self._emit(Event.ON_FIT_START)
 

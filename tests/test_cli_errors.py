@@ -74,6 +74,8 @@ WRONG: dict[str, list[str]] = {
     "default_root_dir": ["[a, b]", "{a: 1}", "[]", "{CONFIG}", "{CONFIG}/sub", ""],
     "compile": ["abc", "[1]", "{nope: 1}", "2"],
     "enable_journal": NOT_A_BOOL,
+    "enable_autolog_hparams": NOT_A_BOOL,
+    "model_registry": ["hub", "my-model", "0"],
     "callbacks": ["abc", "3", "[1, 2]", "engine.listeners.Nope", LISTENER, CHECKPOINT, DIRPATH],
     "logger": ["abc", "3", "[1]", "{a: 1}", "cliproj.Net", LOGGER, SAVE_DIR],
 }

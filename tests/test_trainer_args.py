@@ -149,6 +149,8 @@ BAD: dict[str, list[object]] = {
         {"dynamic": "auto"},
     ],
     "enable_journal": _BOOL_FLAG,
+    "enable_autolog_hparams": [None, *_BOOL_FLAG],
+    "model_registry": ["my-model", "", 1, True],
 }
 
 # flag -> values Lightning documents (or this engine adds) that must construct
@@ -246,6 +248,8 @@ GOOD: dict[str, list[object]] = {
         {"backend": "eager"},
     ],
     "enable_journal": [None, True, False],
+    "enable_autolog_hparams": [True, False],
+    "model_registry": [None],
 }
 
 
@@ -347,3 +351,35 @@ def test_a_fractional_val_check_interval_needs_epochs_as_in_lightning():
 def test_default_root_dir_accepts_any_path_like(tmp_path):
     for value in (str(tmp_path), tmp_path, pathlib.PurePosixPath(tmp_path), _Path(str(tmp_path))):
         assert eg.Trainer(**QUIET, default_root_dir=value).default_root_dir == str(tmp_path)
+
+
+def test_enable_autolog_hparams_false_keeps_the_tasks_hparams_from_the_loggers(tmp_path):
+    """Lightning 2.6's flag: the hyperparameters reach the loggers only when it is on (they
+    are still saved in checkpoints either way)."""
+    import torch.nn.functional as F
+
+    from engine import optim
+
+    class Recording(FakeLogger):
+        def __init__(self):
+            self.hparams = []
+
+        def log_hyperparams(self, params):
+            self.hparams.append(dict(params))
+
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1), hparams={"lr": 0.1})
+    data = [(torch.randn(4, 3), torch.randn(4, 1))] * 2
+    seen = {}
+    for flag in (True, False):
+        lg = Recording()
+        quiet = {**QUIET, "logger": lg, "default_root_dir": tmp_path / str(flag)}
+        trainer = eg.Trainer(max_epochs=1, enable_autolog_hparams=flag, **quiet)
+        trainer.fit(task, task.init(torch.nn.Linear(3, 1)), data)
+        seen[flag] = lg.hparams
+    assert seen == {True: [{"lr": 0.1}], False: []}
+
+
+def test_model_registry_is_refused_saying_what_to_do_instead():
+    with pytest.raises(ValueError, match=r"model_registry='hub'\): accepted values are None") as e:
+        eg.Trainer(model_registry="hub", **QUIET)
+    assert "checkpoint.export" in str(e.value)

@@ -77,6 +77,7 @@ class LoopConfig:
     enable_progress_bar: bool = True
     enable_model_summary: bool = True
     enable_journal: bool = True
+    enable_autolog_hparams: bool = True
     profiler: str | None = None
     default_root_dir: str = attrs.field(factory=os.getcwd)
 

@@ -70,6 +70,8 @@ def resolve(
     default_root_dir: str | os.PathLike[str] | None = None,
     compile: bool | Mapping[str, Any] = False,
     enable_journal: bool | None = None,
+    enable_autolog_hparams: bool = True,
+    model_registry: str | None = None,
 ) -> LoopConfig:
     """Check the Trainer's flags and resolve them into a :class:`LoopConfig` (the Trainer's
     keyword arguments, with its defaults; ``logger``, ``callbacks`` and ``plugins`` are checked
@@ -127,6 +129,7 @@ def resolve(
         log_every_n_steps=log_every_n_steps if log_every_n_steps is not None else 50,
         # fast_dev_run is a smoke test: like its loggers and checkpoints, no journal
         enable_journal=enable_journal is not False and not (barebones or resolved["fast_dev_run"]),
+        enable_autolog_hparams=enable_autolog_hparams,
         gradient_clip_val=flags["gradient_clip_val"],
         gradient_clip_algorithm=gradient_clip_algorithm or "norm",
         deterministic=deterministic,
