@@ -369,7 +369,7 @@ def test_a_checkpoint_records_the_resolved_config_and_no_run_state(tmp_path):
     # runs that many ranks)
     assert trainer.run_dir is not None
     record = json.loads((Path(trainer.run_dir) / "config.json").read_text())
-    assert record == {**saved, "world_size": 1}
+    assert record == {**saved, "world_size": 1, "sharded": False}
 
 
 def test_the_config_is_frozen_and_the_trainers_flags_read_it():
