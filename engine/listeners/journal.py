@@ -252,13 +252,19 @@ class Journal(Listener):
         state = rec.state
         if not self._on or state is None or state.micro_step or not self.every_n_steps:
             return
+        fp_every = self.fingerprint_every_n_steps
+        with_fp = bool(fp_every) and state.step % fp_every == 0
+        if not self._writes:  # a follower: only the collective of rank 0's line, no host sync
+            if state.step % self.every_n_steps == 0 and state.step != self._last_step:
+                if with_fp and state.sharded:
+                    state.fingerprint()
+                self._last_step = state.step
+            return
         loss = rec.outputs.get("loss") if rec.outputs else None
         skipped = rec.outputs.get("skipped") if rec.outputs else None
         self._keep(state.step, loss, skipped)
         if state.step % self.every_n_steps or state.step == self._last_step:
             return
-        fp_every = self.fingerprint_every_n_steps
-        with_fp = bool(fp_every) and state.step % fp_every == 0
         taken = self._take(state.step)
         if taken is not None:  # this step's loss is the last of them: read with them
             losses, skips = taken
@@ -381,6 +387,10 @@ class Journal(Listener):
         state = rec.state
         if not self._on or state is None:
             return
+        if not self._writes:  # a follower: only the collective of rank 0's fingerprint
+            if fingerprint and error is None and state.sharded:
+                state.fingerprint()
+            return
         line: dict[str, Any] = {"step": state.step, "epoch": state.epoch}
         line["batch_idx"], line["end"] = state.batch_idx, True
         if state.micro_step:
@@ -422,7 +432,7 @@ class Journal(Listener):
         lr = getattr(rec.run.task, "lr", None)
         if lr is not None:
             line["lr"] = float(lr(state.step) if callable(lr) else lr)
-        if fingerprint:
+        if fingerprint and (self._writes or state.sharded):  # a follower joins a gather only
             line["fingerprint"] = state.fingerprint()
         if checkpoint:
             line["checkpoint"] = checkpoint
