@@ -12,9 +12,11 @@ run everywhere.
 
 from __future__ import annotations
 
+import builtins
 import csv
 import errno
 import glob
+import math
 import os
 import pickle
 import select
@@ -228,35 +230,76 @@ def test_every_writer_of_the_run_on_a_real_full_disk_journal_included(full_disk,
 # ---------------------------------------------------------------------- injected failures
 
 
-def _enospc_on(monkeypatch: pytest.MonkeyPatch, match: str, *, after: int = 0) -> None:
-    """``os.write`` to a file whose path holds ``match`` writes half its bytes and fails with
-    ENOSPC, from its ``after + 1``-th call on (a disk that fills mid-record)."""
-    if not os.path.isdir("/proc/self/fd"):
-        pytest.skip("needs /proc/self/fd to tell which file a descriptor writes")
-    real, calls = os.write, [0]
+def _enospc_on(
+    monkeypatch: pytest.MonkeyPatch, match: str, *, after: float = math.inf
+) -> Callable[[], None]:
+    """``os.write`` to a file whose path holds ``match`` (opened with ``os.open``, as the
+    loggers open theirs) writes half its bytes and fails with ENOSPC, from its ``after + 1``-th
+    call on, or from the call of the function returned on: a disk that fills mid-record."""
+    real_open, real_close, real_write = os.open, os.close, os.write
+    matching: set[int] = set()
+    calls: list[float] = [0, after]
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(path, flags, *args, **kwargs)
+        if match in os.fspath(path):
+            matching.add(fd)
+        return fd
+
+    def close(fd: int) -> None:
+        matching.discard(fd)
+        real_close(fd)
 
     def write(fd: int, data: Any) -> int:
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            target = ""
-        if match in target:
+        if fd in matching:
             calls[0] += 1
-            if calls[0] > after:
-                real(fd, bytes(data)[: len(data) // 2])
+            if calls[0] > calls[1]:
+                real_write(fd, bytes(data)[: len(data) // 2])
                 raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data)
+        return real_write(fd, data)
 
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "close", close)
     monkeypatch.setattr(os, "write", write)
+
+    def fill() -> None:
+        calls[1] = calls[0]
+
+    return fill
+
+
+class _FillingFile:
+    """A file opened for writing on a disk that fills: its first ``room`` writes are made,
+    then ``write`` raises ENOSPC."""
+
+    def __init__(self, f: Any, room: int) -> None:
+        self._f, self._room = f, room
+
+    def write(self, data: Any) -> int:
+        self._room -= 1
+        if self._room < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self._f.write(data)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, close: the real file's
+        return getattr(self._f, name)
 
 
 def test_tensorboard_write_failing_is_an_error_in_the_caller_never_a_hang(tmp_path, monkeypatch):
+    """The event file's writes fail (through ``os.write``, or through a file ``open`` gives,
+    as tensorboardX's writer thread wrote): an error in the caller, within seconds."""
+    real_open = builtins.open
+
+    def opened(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real_open(path, mode, *args, **kwargs)
+        # room for the file's first event: tensorboardX writes a record in 4 calls
+        return _FillingFile(f, 4) if "tfevents" in str(path) and "w" in mode else f
+
     def run() -> Any:
+        _enospc_on(monkeypatch, "tfevents", after=1)  # the file's first event is written
+        monkeypatch.setattr(builtins, "open", opened)
         lg = TensorBoardLogger(tmp_path, max_queue=3)
-        lg.log_metrics({"a": 0.0}, step=0)
-        lg.save()
-        _enospc_on(monkeypatch, "tfevents")
-        for step in range(1, 10_000):  # tensorboardX's queue held 3: this hung at step 5
+        for step in range(10_000):  # tensorboardX's queue held 3: this hung at step 4
             lg.log_metrics({"a": float(step)}, step=step)
         return "no error"
 
@@ -270,10 +313,11 @@ def test_tensorboard_write_failing_is_an_error_in_the_caller_never_a_hang(tmp_pa
 def test_tensorboard_after_a_failed_write_keeps_whole_records_and_writes_them_later(
     tmp_path, monkeypatch
 ):
+    fill = _enospc_on(monkeypatch, "tfevents")
     lg = TensorBoardLogger(tmp_path, max_queue=2)
     lg.log_metrics({"a": 0.0}, step=0)
     lg.save()
-    _enospc_on(monkeypatch, "tfevents")
+    fill()
     with pytest.raises(OSError, match=r"TensorBoardLogger: could not write .*the disk is full"):
         for step in range(1, 100):
             lg.log_metrics({"a": float(step)}, step=step)
@@ -287,11 +331,12 @@ def test_tensorboard_after_a_failed_write_keeps_whole_records_and_writes_them_la
 def test_finalize_of_a_failed_run_on_a_full_disk_warns_and_closes(tmp_path, monkeypatch):
     """The Trainer finalizes every logger after the run's error: each one's own failure to
     write is a warning, so the run's error is the one raised and every logger is closed."""
+    fill = _enospc_on(monkeypatch, str(tmp_path))
     loggers = [CSVLogger(tmp_path), TensorBoardLogger(tmp_path)]
     for lg in loggers:
         lg.log_hyperparams({"lr": 0.1})
         lg.log_metrics({"a": 1.0}, step=0)
-    _enospc_on(monkeypatch, str(tmp_path))
+    fill()
     for lg in loggers:
         with pytest.warns(UserWarning, match=rf"{type(lg).__name__}: .*the disk is full"):
             lg.finalize("failed")
