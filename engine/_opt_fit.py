@@ -12,6 +12,7 @@ optimizer, or give a new optimizer the checkpoint's weights alone.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -117,11 +118,12 @@ def loading(path: Path, optimizer: Any, *, stage: str | None, asked: Any) -> Ite
         yield
     except OptimizerMismatch as e:
         raise e.for_task(task) from e.__cause__
-    if stage != "fit" or task is None or not (path / "meta.json").is_file():
+    if stage != "fit" or task is None:
         return
-    from engine.checkpoint import read_meta  # the layer above: imported when a fit resumes
-
-    saved = saved_name(read_meta(path))
+    try:  # verified by the load that just succeeded
+        saved = saved_name(json.loads((path / "meta.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, AttributeError):
+        return
     if saved and saved != task:
         warnings.warn(
             f"fit(ckpt_path={str(asked)!r}): {path} was saved with {saved}, the task builds "
