@@ -28,6 +28,7 @@ __all__ = ["EXTRA_KEY", "OptimizerMismatch", "loading", "name_of", "refuse", "sa
 EXTRA_KEY = "optimizer"
 
 _FIELD = re.compile(r"\.([A-Za-z_]\w*)")  # "[0].exp_avg['w']" -> exp_avg
+_INDEX = re.compile(r"\[(?:'[^']*'|\"[^\"]*\"|[^\]]*)\]")  # [0], ['0.weight']: not fields
 
 
 def name_of(tx: GradientTransformation) -> str | None:
@@ -49,7 +50,7 @@ def _holds(keys: Iterable[str]) -> str:
     keys = list(keys)
     if not keys:
         return "nothing (an optimizer without state, such as SGD without momentum)"
-    fields = list(dict.fromkeys(m for k in keys for m in _FIELD.findall(k)))
+    fields = list(dict.fromkeys(m for k in keys for m in _FIELD.findall(_INDEX.sub("", k))))
     if fields:
         return ", ".join(fields)
     return f"{len(keys)} values ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"

@@ -117,6 +117,15 @@ def test_a_checkpoint_that_does_not_name_its_optimizer_is_described_by_its_state
     assert "build the task with the optimizer it was saved with" in str(e.value)
 
 
+def test_the_fields_named_are_the_states_not_the_parameters_dotted_names(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))  # "0.weight", "1.bias", ...
+    path = checkpoint.save(_task("adamw").init(model, seed=3), tmp_path / "c")
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.load(path, _task("sgd-momentum").init(model, seed=3))
+    assert "its optimizer state holds step, exp_avg, exp_avg_sq; the template's " in str(e.value)
+    assert "optimizer state holds momentum_buffer:" in str(e.value)
+
+
 def test_a_state_of_the_same_form_loads_and_a_fit_says_whose_it_continues(saved, tmp_path):
     template = _task("adamw").init(nn.Linear(3, 1), seed=3)
     loaded = checkpoint.load(saved["adam"], template)  # Adam's moments: the same form
