@@ -1230,11 +1230,11 @@ def _run_checked(
             failure = getattr(checker, "failure", None)  # a data-parallel replay's, kept
             if failure is not None:
                 raise failure
-        except _Diverged as e:
+        except _Diverged as e:  # matched at its own step (an edited loss): pinned, not (n, n]
             outcome["divergence"] = e.divergence
-            outcome["diverged_after"] = e.after
-            outcome["losses_matched"] = e.losses_matched
-            if e.after is not None and e.after == e.divergence.step - 1:
+            after = e.after if e.after is None else min(e.after, e.divergence.step - 1)
+            outcome["diverged_after"], outcome["losses_matched"] = after, e.losses_matched
+            if after is not None and after == e.divergence.step - 1:
                 outcome["first_divergent_step"] = e.divergence.step
         except (_WrongStart, ReplayError):
             raise

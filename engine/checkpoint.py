@@ -53,7 +53,7 @@ try:
 except ImportError:  # not POSIX: leftovers cannot be told from saves in progress
     fcntl = None  # type: ignore[assignment]
 
-from engine import _meta, _tree
+from engine import _meta, _opt_fit, _tree
 from engine._checksum import (
     _SCHEMES,
     _WRITER,
@@ -965,8 +965,8 @@ def _assemble(
             if meta.get("weights_only")
             else load_opt_state(template.opt_state, opt)
         )
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"{root}: the optimizer state does not fit: {e}") from e
+    except (KeyError, ValueError) as e:  # another optimizer's state: say whose, and what to do
+        raise _opt_fit.refuse(root, meta, template.opt_state, opt, e) from e
     return template.replace(
         params=params,
         buffers=buffers,

@@ -943,6 +943,7 @@ class Trainer(FlagViews):
             [x for x in self.callbacks if zero or not getattr(x, "rank_zero_only", False)]
         )
         self._checkpointer.writes = zero  # rank 0 writes the replicated state's checkpoints
+        self._checkpointer.optimizer = task.tx  # named in checkpoints, and by a misfit resume
         self._checkpointer.rank, self._checkpointer.world_size = self.global_rank, self.world_size
         stack = contextlib.ExitStack()
         stack.callback(self._unshard)
