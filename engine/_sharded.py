@@ -333,6 +333,11 @@ def verify(root: Path, meta: Mapping[str, Any]) -> Any:
     files = dict(meta["files"])
     sizes = meta.get("sizes") or {}
     inside = os.path.realpath(root / SHARDS)
+    if os.path.islink(root / SHARDS) or inside != os.path.join(os.path.realpath(root), SHARDS):
+        raise CheckpointError(
+            f"{root / SHARDS}: a symbolic link to {inside}, outside the checkpoint directory; a "
+            "checkpoint reads only files of its own: refused"
+        )
     for name in files:
         if not _meta.shard_name(name):
             raise CheckpointError(_meta.not_plain(root / META, name))

@@ -77,6 +77,7 @@ from engine._ckpt_files import (
     _flatten,
     _fsync_dir,
     _publish,
+    _read_own,
     _replaceable,
     _short,
     _write_failed,
@@ -687,7 +688,7 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     meta_path = Path(path) / META
     try:
-        raw = meta_path.read_bytes()
+        raw = _read_own(meta_path)  # not through a link out of the checkpoint
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a checkpoint: {META} is missing") from None
     except OSError as e:  # a directory in its place, no permission, an I/O error

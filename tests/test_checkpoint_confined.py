@@ -380,3 +380,13 @@ def test_inspect_says_what_it_checked_and_what_the_index_holds(ckpt, capsys):
     assert cli.main(["inspect", str(ckpt)]) == 1
     out = capsys.readouterr().out
     assert "shards/../../x[0:3]" in out and "FAILED" in out, out
+
+
+def test_a_shards_directory_linked_out_of_the_checkpoint_is_refused(ckpt, tmp_path):
+    """Every shard a plain name of meta.json's, but shards/ itself a link to a directory
+    elsewhere (a copy of the real shards): today it is read."""
+    elsewhere = Path(shutil.move(ckpt / "shards", tmp_path / "elsewhere"))
+    (ckpt / "shards").symlink_to(elsewhere, target_is_directory=True)
+    for loader in ("load", "verify", "export"):
+        with pytest.raises(CheckpointError, match=r"shards: a symbolic link to .*outside"):
+            LOADERS[loader](ckpt)
