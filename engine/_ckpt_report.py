@@ -4,6 +4,8 @@ holds (engine/_shard_index.py), not only what ``meta.json`` claims."""
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -54,7 +56,7 @@ def inspected(
         "checked": checks(meta, sharded),
         "index": None,
     }
-    if sharded and (root / _meta.SHARDS).is_dir():
+    if sharded and (root / _meta.SHARDS).is_dir() and not (root / _meta.SHARDS).is_symlink():
         shards = root / _meta.SHARDS
         info["size_bytes"] += sum(f.stat().st_size for f in shards.iterdir() if f.is_file())
     index = None
@@ -65,12 +67,25 @@ def inspected(
         info["verified"], info["problem"] = False, str(e)
     if sharded:
         try:  # what the index holds, also when it failed a check (read safely all the same)
-            info["index"] = _shard_index.describe(
-                index if index is not None else _shard_index.read(root)
-            )
+            if index is None and _own_index(root, meta):
+                index = _shard_index.read(root)
+            info["index"] = None if index is None else _shard_index.describe(index)
         except Exception:  # unreadable or refused: "problem" says why
             info["index"] = None
     return info
+
+
+def _own_index(root: Path, meta: Mapping[str, Any]) -> bool:
+    """Whether ``shards/.metadata`` is the checkpoint's own file, of the size recorded (not
+    through a link out of it): the only index inspect reads after a failed check."""
+    shards = root / _meta.SHARDS
+    if os.path.islink(shards) or os.path.realpath(shards) != os.path.join(
+        os.path.realpath(root), _meta.SHARDS
+    ):
+        return False
+    st = os.lstat(shards / _shard_index.INDEX)
+    recorded = (meta.get("sizes") or {}).get(f"{_meta.SHARDS}/{_shard_index.INDEX}")
+    return stat.S_ISREG(st.st_mode) and st.st_size == recorded
 
 
 def chunk_text(chunk: Mapping[str, Any]) -> str:

@@ -103,7 +103,13 @@ def checked(root: Path, meta: Mapping[str, Any]) -> Any:
             wrong.
     """
     index = read(root)
-    _Check(root, meta).index(index)
+    check = _Check(root, meta)
+    try:
+        check.index(index)
+    except CheckpointError:
+        raise
+    except Exception as e:  # a value of another type where DCP's classes hold one
+        raise check.refuse("(its structure)", f"malformed ({one_line(e)})") from e
     return index
 
 

@@ -223,6 +223,11 @@ def _no_storage(index: Any) -> Any:
     return index
 
 
+def _malformed(index: Any) -> Any:
+    index.state_dict_metadata["params/0.weight"].size = 5  # an int where a torch.Size goes
+    return index
+
+
 EDITS = {
     "dtype": (_edit_dtype, "entry 'params/0.weight': dtype torch.float64, where meta.json records"),
     "shape": (_edit_shape, "entry 'params/0.weight': shape [6, 3], where meta.json records [5, 3]"),
@@ -235,6 +240,7 @@ EDITS = {
     "a stream transform": (_transform, "stream transforms ['zstd']"),
     "the index as a shard": (_the_index_itself, "relative_path '.metadata' is not a plain"),
     "a chunk not stored": (_no_storage, "no storage record for the chunk"),
+    "a malformed entry": (_malformed, "entry (its structure): malformed (TypeError"),
 }
 
 
@@ -390,3 +396,5 @@ def test_a_shards_directory_linked_out_of_the_checkpoint_is_refused(ckpt, tmp_pa
     for loader in ("load", "verify", "export"):
         with pytest.raises(CheckpointError, match=r"shards: a symbolic link to .*outside"):
             LOADERS[loader](ckpt)
+    info = checkpoint.inspect(ckpt)  # nor does inspect show the index it leads to
+    assert not info["verified"] and info["index"] is None
