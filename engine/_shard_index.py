@@ -24,6 +24,7 @@ is not read twice). :func:`dcp_call` wraps a call into DCP: its ``CheckpointExce
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import pickle
 from collections.abc import Callable, Mapping
@@ -192,11 +193,11 @@ class _Check:
                     f"a chunk of sizes {list(getattr(chunk, 'sizes', ()))} that does not lie "
                     f"inside the tensor's shape {list(shape)}",
                 )
-            box = (tuple(chunk.offsets), tuple(chunk.sizes))
-            for other in seen:
-                if _volume(_overlap(box, other)):
-                    raise self.refuse(at, f"the chunk overlaps the one at {list(other[0])}")
-            seen.append(box)
+            seen.append((tuple(chunk.offsets), tuple(chunk.sizes)))
+        pair = _overlapping(seen, shape)
+        if pair is not None:
+            a, b = (list(seen[i][0]) for i in pair)
+            raise self.refuse(f"{key!r} (chunk at {a})", f"the chunk overlaps the one at {b}")
         if sum(_volume(s) for _, s in seen) != _volume(shape):
             raise self.refuse(
                 repr(key),
@@ -251,12 +252,32 @@ class _Check:
             raise self.refuse(f"{key!r} (chunk at {list(at)})", "no storage record for the chunk")
 
 
-def _overlap(a: Any, b: Any) -> list[int]:
-    """The sizes of the intersection of two boxes (offsets, sizes)."""
-    return [
-        max(0, min(oa + sa, ob + sb) - max(oa, ob))
-        for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1], strict=True)
-    ]
+def _overlapping(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: Any) -> Any:
+    """The indices ``(i, j)`` of two boxes (offsets, sizes) inside ``shape`` that share an
+    element, or None. Row slabs (FSDP's ``Shard(0)``: each box spans every other dimension)
+    are sorted and compared with their neighbours; other boxes pair by pair, vectorized a block
+    of rows at a time (a tensor saved by thousands of ranks has thousands of chunks)."""
+    n, dims = len(boxes), len(shape)
+    if n < 2:
+        return None
+    if dims and all(s[1:] == tuple(shape[1:]) for _, s in boxes):
+        order = sorted((o[0], o[0] + s[0], i) for i, (o, s) in enumerate(boxes) if s[0])
+        for (_, end, i), (begin, _, j) in itertools.pairwise(order):
+            if begin < end:
+                return i, j
+        return None
+    lo = torch.tensor([o for o, _ in boxes], dtype=torch.int64).reshape(n, dims)
+    hi = lo + torch.tensor([s for _, s in boxes], dtype=torch.int64).reshape(n, dims)
+    for start in range(0, n, 256):
+        rows = slice(start, min(start + 256, n))
+        inter = torch.minimum(hi[rows, None], hi[None]) - torch.maximum(lo[rows, None], lo[None])
+        shared = inter.clamp(min=0).prod(-1)  # (rows, n): elements in common; itself too
+        own = torch.arange(rows.start, rows.stop)
+        shared[own - start, own] = 0
+        found = shared.nonzero()
+        if len(found):
+            return start + int(found[0, 0]), int(found[0, 1])
+    return None
 
 
 def describe(index: Any) -> dict[str, Any]:

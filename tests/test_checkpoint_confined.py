@@ -234,7 +234,10 @@ EDITS = {
     "a tensor missing": (_drop_tensor, "lacks some it does (['params/scale'])"),
     "a tensor added": (_add_tensor, "does not describe (['params/evil'])"),
     "a chunk outside the shape": (_chunk([3, 0], [3, 3]), "does not lie inside the tensor's"),
-    "overlapping chunks": (_chunk([2, 0], [3, 3]), "overlaps the one at [0, 0]"),
+    "overlapping chunks": (
+        _chunk([2, 0], [3, 3]),
+        "(chunk at [0, 0]): the chunk overlaps the one at [2, 0]",
+    ),
     "a chunk missing": (_chunk([3, 0], [1, 3]), "cover 12 of the 15 elements"),
     "bytes past the end": (_bytes_past_the_end, "outside the file"),
     "a stream transform": (_transform, "stream transforms ['zstd']"),
