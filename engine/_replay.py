@@ -572,7 +572,7 @@ def _checkpoints(
         for path in dict.fromkeys(places):
             # a path from the journal leads out of the run directory only for a trusted run
             # (its ModelCheckpoint's dirpath may be anywhere): else nothing there is opened
-            if not (trusted or path.resolve().is_relative_to(root.resolve())):
+            if not (trusted or Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))):
                 continue
             if not (path / checkpoint.META).is_file():
                 continue
