@@ -63,7 +63,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from engine import checkpoint
+from engine import _confine, checkpoint
 from engine.events import EventRecord, Listener, RunView, Save
 from engine.listeners.progress import write_message
 from engine.loop import LoopConfig, schedule
@@ -657,7 +657,7 @@ class ModelCheckpoint(Listener):
         resumed = rec.run.ckpt_path
         if resumed is not None and Path(resumed).absolute() == old:
             return False
-        return _directly_in(previous, self.dirpath)
+        return _confine.directly_in(previous, self.dirpath)
 
     # ------------------------------------------------------------------ names
 
@@ -725,7 +725,7 @@ class ModelCheckpoint(Listener):
         """Restore :meth:`state_dict`'s values. If the checkpoint was written for another
         ``dirpath``, only ``best_model_path`` is restored (with a warning), as in Lightning."""
         saved_dir = state.get("dirpath", self.dirpath)
-        state, dropped = _confined(state, saved_dir)
+        state, dropped = _confine.confined(state, saved_dir)
         if saved_dir == self.dirpath:
             self.best_model_score = _opt_float(state.get("best_model_score"))
             self.current_score = _opt_float(state.get("current_score", self.current_score))
@@ -757,42 +757,6 @@ class ModelCheckpoint(Listener):
             f"mode={self.mode!r}, save_top_k={self.save_top_k}, "
             f"best_model_path={self.best_model_path!r})"
         )
-
-
-def _directly_in(path: Any, directory: Any) -> bool:
-    """Whether ``path`` names an entry directly inside ``directory`` (``..`` and links of the
-    directories above it resolved; the entry itself may be a link, which a removal unlinks)."""
-    if not isinstance(path, str) or not path or not isinstance(directory, str):
-        return False
-    name = os.path.normpath(os.path.abspath(path))
-    return os.path.realpath(os.path.dirname(name)) == os.path.realpath(directory)
-
-
-_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
-
-
-def _confined(state: Mapping[str, Any], dirpath: Any) -> tuple[dict[str, Any], bool]:
-    """``state`` (from a checkpoint's ``meta.json``) without the paths that do not lie directly
-    in its ``dirpath``, where this listener writes every checkpoint (a path from a file is
-    never one to load from or to delete outside that directory), and whether any was."""
-    out = dict(state)
-    outside = [out[k] for k in _PATHS if out.get(k) and not _directly_in(out[k], dirpath)]
-    for k in _PATHS:
-        if out.get(k) and not _directly_in(out[k], dirpath):
-            out[k] = ""
-    models = out.get("best_k_models")
-    if isinstance(models, Mapping):
-        outside += [p for p in models if not _directly_in(p, dirpath)]
-        out["best_k_models"] = {p: v for p, v in models.items() if _directly_in(p, dirpath)}
-    if outside:
-        warnings.warn(
-            f"ModelCheckpoint: the checkpoint's state names paths outside its directory "
-            f"{dirpath!r} ({', '.join(map(repr, outside))}); they are left out (never loaded "
-            "or removed): the checkpoint was edited",
-            UserWarning,
-            stacklevel=3,
-        )
-    return out, bool(outside)
 
 
 def _check_count(name: str, value: Any, *, minimum: int) -> None:
