@@ -270,6 +270,11 @@ class Checkpointer:
                 continue
             for p in entries:
                 try:
+                    real = os.path.realpath(p)
+                    if p.is_symlink() and os.path.dirname(real) != os.path.realpath(root):
+                        # a link out of the directory: not one of its checkpoints
+                        unreadable.append(f"{p} (a symbolic link to {real}, outside {root})")
+                        continue
                     if (p / checkpoint.META).is_file():
                         found.append(p)
                 except OSError as e:  # cannot be entered (EACCES)

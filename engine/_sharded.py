@@ -28,23 +28,21 @@ world size and mesh: DCP reads the chunks each rank's shard overlaps) or plain f
 from __future__ import annotations
 
 import contextlib
-import io
 import os
-import pickle
 import shutil
 import stat
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from engine import _meta
+from engine import _meta, _shard_index
 from engine._checksum import _checksum, _start_checksum
 from engine._ckpt_files import (
     META,
@@ -63,8 +61,6 @@ from engine.optim.base import state_dict as opt_state_dict
 from engine.state import TrainState
 
 __all__: list[str] = []
-
-_INDEX = ".metadata"  # DCP's index file, in shards/
 
 
 # --------------------------------------------------------------------------- saving
@@ -259,7 +255,15 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
         problem = None
         try:
             writer = dcp.FileSystemWriter(shards, sync_files=True, overwrite=False)
-            dcp.save(tensors, storage_writer=writer, process_group=group)
+            _shard_index.dcp_call(
+                target,
+                "writing the shards",
+                dcp.save,
+                tensors,
+                storage_writer=writer,
+                process_group=group,
+                then="; nothing was written under its name",
+            )
         except BaseException as e:
             problem = e
         _agree(problem, target, "writing its shards", group)
@@ -321,12 +325,19 @@ def _commit(meta: dict[str, Any], tmp: Path, target: Path, claim: Any) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def verify(root: Path, meta: Mapping[str, Any]) -> None:
+def verify(root: Path, meta: Mapping[str, Any]) -> Any:
     """Check every file of the sharded checkpoint at ``root``: a name under ``shards/``, a
-    regular file of the size recorded, its checksum; and that DCP's index reads safely."""
+    regular file of the size recorded, its checksum; then DCP's index, read safely and checked
+    against ``meta.json`` (engine/_shard_index.py). Returns that index: the loaders hand it to
+    DCP, which reads no other."""
     files = dict(meta["files"])
     sizes = meta.get("sizes") or {}
     inside = os.path.realpath(root / SHARDS)
+    if os.path.islink(root / SHARDS) or inside != os.path.join(os.path.realpath(root), SHARDS):
+        raise CheckpointError(
+            f"{root / SHARDS}: a symbolic link to {inside}, outside the checkpoint directory; a "
+            "checkpoint reads only files of its own: refused"
+        )
     for name in files:
         if not _meta.shard_name(name):
             raise CheckpointError(_meta.not_plain(root / META, name))
@@ -349,6 +360,23 @@ def verify(root: Path, meta: Mapping[str, Any]) -> None:
                 f"{file}: {st.st_size} bytes, where meta.json records {sizes[name]}; the file is "
                 "truncated, damaged or was replaced (refused before reading it)"
             )
+    extra = sorted(p.name for p in (root / SHARDS).iterdir() if f"{SHARDS}/{p.name}" not in files)
+    if extra:
+        raise CheckpointError(
+            f"{root / SHARDS}: holds files meta.json does not name ({extra}); the checkpoint "
+            "was edited: refused"
+        )
+    # the index first (its checksum, then its entries against meta.json): a shard is read
+    # (hashed, then loaded) only once the index is known to point into the checkpoint alone
+    index_name = f"{SHARDS}/{_shard_index.INDEX}"
+    _checksums(root, {index_name: files[index_name]})
+    index = _shard_index.checked(root, meta)
+    _checksums(root, {n: d for n, d in files.items() if n != index_name})
+    return index
+
+
+def _checksums(root: Path, files: Mapping[str, str]) -> None:
+    """Each file's checksum against the one recorded (hashed in parallel)."""
     try:
         digests = {name: _start_checksum(root / name, d) for name, d in files.items()}
         for name, expected in files.items():
@@ -361,77 +389,17 @@ def verify(root: Path, meta: Mapping[str, Any]) -> None:
                 )
     except OSError as e:
         raise CheckpointError(f"{e.filename or root}: cannot be read ({e.strerror or e})") from e
-    extra = sorted(p.name for p in (root / SHARDS).iterdir() if f"{SHARDS}/{p.name}" not in files)
-    if extra:
-        raise CheckpointError(
-            f"{root / SHARDS}: holds files meta.json does not name ({extra}); the checkpoint "
-            "was edited: refused"
-        )
-    _index(root)
 
 
-class _IndexUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata classes, ``torch.Size``, dtypes, layouts and paths; anything else
-    in ``.metadata`` is refused, so no code from a file runs (its bytes are verified first)."""
-
-    _CLASSES: ClassVar[dict[str, set[str]]] = {
-        "torch.distributed.checkpoint.metadata": {
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        },
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.serialization": {"_get_layout"},
-        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
-        "pathlib._local": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-        "collections": {"OrderedDict"},
-        "torch": {"Size"},
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in self._CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
-
-
-def _index(root: Path) -> Any:
-    """DCP's ``shards/.metadata``, read safely (see :class:`_IndexUnpickler`)."""
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
-    path = root / SHARDS / _INDEX
-    try:
-        index = _IndexUnpickler(io.BytesIO(path.read_bytes())).load()
-    except Exception as e:
-        raise CheckpointError(
-            f"{path}: refused: {e}. engine reads only DCP's tensor metadata from it and never "
-            "runs code from a file"
-        ) from e
-    if not isinstance(index, Metadata) or not all(
-        isinstance(m, TensorStorageMetadata) for m in index.state_dict_metadata.values()
-    ):
-        raise CheckpointError(f"{path}: not an index of tensors written by engine; refused")
-    return index
-
-
-def _reader(root: Path) -> Any:
+def _reader(root: Path, index: Any) -> Any:
+    """DCP's file reader of ``root``'s shards, handed ``index`` (checked by
+    :func:`engine._shard_index.checked`) instead of reading ``.metadata`` again."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class Reader(dcp.FileSystemReader):  # DCP's, its index read by _IndexUnpickler
+    class Reader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            index = _index(root)
-            if getattr(index, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-
-                index.storage_meta = StorageMeta()
-            index.storage_meta.load_id = self.load_id
+            index.storage_meta = StorageMeta(load_id=self.load_id)  # no path from the file
             return index
 
     return Reader(root / SHARDS)
@@ -444,21 +412,23 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _read_into(root: Path, targets: dict[str, Tensor]) -> dict[str, Tensor]:
+def _read_into(root: Path, targets: dict[str, Tensor], index: Any) -> dict[str, Tensor]:
     """``dcp.load`` of the verified shards into ``targets`` (no process group, no
-    collective)."""
+    collective), by the checked ``index``; any failure a ``CheckpointError``."""
     import torch.distributed.checkpoint as dcp
 
     if not targets:
         return targets
-    try:
-        with warnings.catch_warnings():  # "assuming ... a single process": what is asked for
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(targets, storage_reader=_reader(root), no_dist=True)
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"{root / SHARDS}: the shards could not be read: {e}") from e
+    with warnings.catch_warnings():  # "assuming ... a single process": what is asked for
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        _shard_index.dcp_call(
+            root,
+            "reading the shards",
+            dcp.load,
+            targets,
+            storage_reader=_reader(root, index),
+            no_dist=True,
+        )
     return targets
 
 
@@ -488,10 +458,10 @@ def _template_leaves(template: TrainState) -> dict[str, Tensor]:
 def read(root: Path, meta: Mapping[str, Any], template: TrainState) -> dict[str, Tensor]:
     """The sharded checkpoint's tensors by key, verified, each read into a tensor like the
     template's (its DTensor's shards, or the full value) — for ``checkpoint.load``."""
-    verify(root, meta)
+    index = verify(root, meta)
     refs = _template_leaves(template)
     targets = {k: _like(refs.get(k), d) for k, d in meta["tensors"].items()}
-    return _read_into(root, targets)
+    return _read_into(root, targets, index)
 
 
 def read_weights(
@@ -499,13 +469,13 @@ def read_weights(
 ) -> dict[str, Tensor]:
     """The parameters and buffers of the sharded checkpoint, gathered in full on this process
     (by name), verified first — for ``load_weights`` and ``export``."""
-    verify(root, meta)
+    index = verify(root, meta)
     targets = {
         k: _like(None, d, devices.get(k))
         for k, d in meta["tensors"].items()
         if k.partition("/")[0] in ("params", "buffers")
     }
-    return {k.partition("/")[2]: t for k, t in _read_into(root, targets).items()}
+    return {k.partition("/")[2]: t for k, t in _read_into(root, targets, index).items()}
 
 
 def placed_like(template: TrainState, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
