@@ -269,6 +269,41 @@ def test_a_reloaded_loader_of_other_lengths_fails_on_every_rank_before_its_epoch
         assert r["batches"] == 2  # the first epoch's (each rank's shard of 4 batches), no more
 
 
+def _uneven_evaluation(rank: int, root: str) -> dict:
+    """FSDP validation of 11 samples in batches of 1 (6 batches on rank 0, 5 on rank 1),
+    capped by limit_val_batches so that it runs; then with drop_last=True."""
+    import warnings
+
+    from torch.utils.data import DataLoader
+
+    task, out = _task(), {}
+    for name, flags, loader in (
+        ("uneven", {"limit_val_batches": 5}, DataLoader(_data(11), batch_size=1)),
+        ("drop_last", {}, DataLoader(_data(11), batch_size=1, drop_last=True)),
+    ):
+        trainer = eg.Trainer(
+            strategy="fsdp", devices=2, default_root_dir=root, **{**QUIET, **flags}
+        )
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.validate(task, task.init(torch.nn.Linear(6, 3)), loader, verbose=False)
+        out[name] = [str(w.message) for w in seen if "FSDP: every forward" in str(w.message)]
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp_warns_of_evaluation_shards_of_other_numbers_of_batches(tmp_path):
+    rank0, rank1 = run_ranks(_uneven_evaluation, 2, str(tmp_path), timeout=TIMEOUT)
+    assert len(rank0["uneven"]) == 1 and not rank1["uneven"]  # said once, by rank 0
+    message = rank0["uneven"][0]
+    assert (
+        "the validation dataloader (11 samples in 11 batches) deals 6 batches to rank 0, 5 "
+        "batches to rank 1" in message
+    )
+    assert "limit_*_batches" in message and "drop_last=True" in message
+    assert rank0["drop_last"] == [] and rank1["drop_last"] == []
+
+
 # --------------------------------------------------------------------------- devices
 
 

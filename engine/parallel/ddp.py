@@ -91,6 +91,10 @@ class DDP(Strategy):
         1
     """
 
+    #: whether the evaluation steps are collectives (FSDP's forward gathers the parameters),
+    #: so that evaluation shards of other numbers of batches are warned of
+    evaluates_in_lockstep: bool = False
+
     def __init__(
         self,
         *,
@@ -365,8 +369,11 @@ class DDP(Strategy):
         from engine import data
 
         self._measure(loader, stage)
-
         sharded = data.shard_loader(loader, self.global_rank, world, pad=stage == "train")
+        if sharded:
+            self._measured[-1] = self._measured[-1]._replace(
+                dealt=lengths.measure(loader, "", 0).batches
+            )
         if not sharded and not _already_sharded(loader):
             warnings.warn(
                 f"DDP: the {stage} loader {type(loader).__name__} cannot be sharded (an "
@@ -402,6 +409,9 @@ class DDP(Strategy):
         message = lengths.disagreement(gathered)
         if message is not None:
             raise ValueError(f"{type(self).__name__}: {message}")
+        message = lengths.uneven(gathered) if self.evaluates_in_lockstep else None
+        if message is not None and dist.get_rank() == 0:
+            warnings.warn(f"{type(self).__name__}: {message}", stacklevel=3)
 
     def agree(self, flags: Sequence[bool]) -> tuple[bool, ...]:
         if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Length", "disagreement", "measure"]
+__all__ = ["Length", "disagreement", "measure", "uneven"]
 
 
 class Length(NamedTuple):
@@ -42,6 +42,8 @@ class Length(NamedTuple):
     idx: int
     samples: int | None
     batches: int | None
+    #: this rank's batches once sharded (``None``: not sharded, or no length)
+    dealt: int | None = None
 
     def describe(self) -> str:
         if self.samples is None and self.batches is None:
@@ -134,4 +136,34 @@ def disagreement(gathered: Sequence[Sequence[Length]]) -> str | None:
         + "; ".join(lines)
         + ". "
         + _WHAT_TO_DO
+    )
+
+
+def uneven(gathered: Sequence[Sequence[Length]]) -> str | None:
+    """``None`` when every rank was dealt as many batches of each evaluation loader
+    (validation, test, predict), else a message naming each loader whose unpadded shards differ
+    in batches (a sharding strategy's forward is a collective: every rank must run as many)."""
+    lines = []
+    for lengths in zip(*gathered, strict=False):
+        first = lengths[0]
+        dealt = [x.dealt for x in lengths]
+        if first.stage == "train" or None in dealt or len(set(dealt)) == 1:
+            continue
+        count = sum(1 for x in gathered[0] if x.stage == first.stage)
+        lines.append(
+            f"{_name(first.stage, first.idx, count)} ({first.describe()}) deals "
+            + ", ".join(f"{d} batches to rank {r}" for r, d in enumerate(dealt))
+        )
+    if not lines:
+        return None
+    return (
+        "every forward gathers the parameters on every rank, so every rank must run as many "
+        "evaluation batches as the others, but "
+        + "; ".join(lines)
+        + " (evaluation shards are not padded, so that no sample counts twice). The rank with "
+        "fewer batches would leave the others waiting in their last one: the run fails in the "
+        "backend or hangs there, unless limit_*_batches caps every rank at the same count. "
+        "Give the loader drop_last=True (every rank then gets as many batches; the last "
+        "partial global batch is dropped), or a number of samples that makes as many batches "
+        "on every rank"
     )
