@@ -203,8 +203,9 @@ def _tiny_fit(root: str, **flags):
 
 def _killed_in_the_background(rank: int, root: str, victim: int, at: int, report: str) -> None:
     """An FSDP fit saving every 2 steps in the background; once step ``at`` is done, rank
-    ``victim`` is SIGKILLed in its next shard write (of a save in flight). The other rank
-    records how its fit ended, and how long after the kill it took."""
+    ``victim`` waits for its saves so far, then is SIGKILLed in its next shard write (of the
+    next save, in flight while both train). The other rank records how its fit ended, and how
+    long after the kill it took."""
     from torch.distributed.checkpoint import filesystem
 
     original = filesystem._write_item
@@ -219,6 +220,7 @@ def _killed_in_the_background(rank: int, root: str, victim: int, at: int, report
     class Arm(eg.Listener):
         def on_train_batch_end(self, rec):
             if rec.state.step == at and rank == victim:
+                checkpoint.wait()  # the saves before are complete: the kill hits a later one
                 filesystem._write_item = dying
 
     mc = eg.ModelCheckpoint(
