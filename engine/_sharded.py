@@ -28,6 +28,7 @@ world size and mesh: DCP reads the chunks each rank's shard overlaps) or plain f
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -62,6 +63,8 @@ from engine.state import TrainState
 
 __all__: list[str] = []
 
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk (or quota)
+
 
 # --------------------------------------------------------------------------- saving
 
@@ -82,21 +85,37 @@ def _describe_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Any]:
 
 def _agree(error: BaseException | None, target: Path, stage: str, group: Any = None) -> None:
     """Every rank's outcome of ``stage``, exchanged (a collective): raise on every rank if it
-    failed on any, naming the ranks and their errors; this rank's own error first."""
+    failed on any, naming the ranks and their errors: a full disk on any rank first (called
+    one on every rank, naming the rank), then this rank's own error."""
     world = dist.get_world_size()
     told: list[Any] = [None] * world
     mine = None if error is None else f"{type(error).__name__}: {error}"
-    _exchange(dist.all_gather_object, target, stage, told, mine, group=group)
-    failed = [(r, m) for r, m in enumerate(told) if m is not None]
+    # an OSError's errno travels with it: a full disk is called one on every rank
+    number = error.errno if isinstance(error, OSError) else None
+    _exchange(dist.all_gather_object, target, stage, told, (mine, number), group=group)
+    failed = [(r, m, n) for r, (m, n) in enumerate(told) if m is not None]
+    full = next(((r, n) for r, _, n in failed if n in _FULL), None)
+    if isinstance(error, (CheckpointError, KeyboardInterrupt, SystemExit)):
+        raise error  # an interrupt passes through, once every rank knows the save failed
+    if full is not None:  # a full disk on any rank is called one on every rank
+        rank, number = full
+        cause = (
+            error
+            if rank == dist.get_rank() and isinstance(error, OSError)
+            else OSError(number, os.strerror(number))
+        )
+        what = {
+            "writing its shards": f"rank {rank}'s shards",
+            "creating its temporary directory": f"the temporary directory (rank {rank})",
+        }.get(stage, "")
+        raise _write_failed(target, cause, what, (target / META).is_file()) from error
     if error is not None:
-        if isinstance(error, CheckpointError):
-            raise error
         raise CheckpointError(
             f"the sharded save of {target} failed on rank {dist.get_rank()} {stage}: {mine}; "
             "nothing was written under its name"
         ) from error
     if failed:
-        said = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        said = "; ".join(f"rank {r}: {m}" for r, m, _ in failed)
         raise CheckpointError(
             f"the sharded save of {target} failed {stage} on another rank ({said}); every "
             "rank stops the save and nothing was written under its name"
@@ -112,7 +131,8 @@ def _exchange(collective: Any, target: Path, stage: str, *args: Any, **kwargs: A
         raise CheckpointError(
             f"the sharded save of {target} failed {stage}: another rank stopped answering "
             f"(it died or left the save: {type(e).__name__}: {e}); nothing was written under "
-            "its name. Every rank must call checkpoint.save with the same path"
+            "its name. A rank that died ends the run (its own output says why); if none did, "
+            "every rank must call checkpoint.save with the same path"
         ) from e
 
 
@@ -234,6 +254,8 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
     rename; the collectives on ``group`` (``None``: the default group)."""
     import torch.distributed.checkpoint as dcp
 
+    from engine import _shard_faults
+
     rank = dist.get_rank()
     claim = None
     tmp: Path | None = None
@@ -253,19 +275,16 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
         _agree(problem, target, stage, group)
         shards = Path(names[0]) / SHARDS
         problem = None
+        noticed = None
         try:
             writer = dcp.FileSystemWriter(shards, sync_files=True, overwrite=False)
-            _shard_index.dcp_call(
-                target,
-                "writing the shards",
-                dcp.save,
-                tensors,
-                storage_writer=writer,
-                process_group=group,
-                then="; nothing was written under its name",
-            )
+            # DCP's own call, not _shard_index.dcp_call: _shard_faults reads every rank's
+            # failure from its CheckpointException, and _agree says it in one line
+            noticed = _shard_faults.noticing(writer)  # the OSError behind torch.save's own
+            dcp.save(tensors, storage_writer=writer, process_group=group)
         except BaseException as e:
-            problem = e
+            noted = noticed.error if noticed is not None else None
+            problem = _shard_faults.cause(e, noted, dist.get_rank(group))
         _agree(problem, target, "writing its shards", group)
         outcome: list[Any] = [None]
         if rank == 0:
@@ -273,10 +292,11 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
             try:
                 _commit(meta, tmp, target, claim)
             except BaseException as e:
-                outcome = [f"{type(e).__name__}: {e}"]
+                failed = _failed(target, e)
+                outcome = [str(failed)]  # a full disk is called one on every rank
                 with contextlib.suppress(Exception):  # a peer gone meanwhile: this error first
                     dist.broadcast_object_list(outcome, src=0, group=group)
-                raise _failed(target, e) from e
+                raise failed from e
             # the checkpoint is in place: a peer gone by now does not undo it
             with contextlib.suppress(Exception):
                 dist.broadcast_object_list(outcome, src=0, group=group)
@@ -284,10 +304,7 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
             stage = "renaming it into place"
             _exchange(dist.broadcast_object_list, target, stage, outcome, group=group)
             if outcome[0] is not None:
-                raise CheckpointError(
-                    f"the sharded save of {target} failed on rank 0 while writing meta.json "
-                    f"and renaming it into place: {outcome[0]}"
-                )
+                raise CheckpointError(f"rank 0 failed the sharded save: {outcome[0]}")
         return target
     finally:
         if tmp is not None:
