@@ -271,38 +271,55 @@ def test_a_reloaded_loader_of_other_lengths_fails_on_every_rank_before_its_epoch
 
 
 def _uneven_evaluation(rank: int, root: str) -> dict:
-    """FSDP validation of 11 samples in batches of 1 (6 batches on rank 0, 5 on rank 1),
-    capped by limit_val_batches so that it runs; then with drop_last=True."""
+    """FSDP validation of 11 samples in batches of 1 (unpadded: 6 batches on rank 0, 5 on
+    rank 1, and rank 0's last forward would gather alone), then with drop_last=True, then of a
+    multiple of the world size: each rank's batches and the warnings."""
     import warnings
 
     from torch.utils.data import DataLoader
 
+    class Count(eg.Listener):
+        batches = 0
+
+        def on_validation_batch_end(self, rec):
+            self.batches += 1
+
     task, out = _task(), {}
-    for name, flags, loader in (
-        ("uneven", {"limit_val_batches": 5}, DataLoader(_data(11), batch_size=1)),
-        ("drop_last", {}, DataLoader(_data(11), batch_size=1, drop_last=True)),
+    for name, loader in (
+        ("uneven", DataLoader(_data(11), batch_size=1)),
+        ("drop_last", DataLoader(_data(11), batch_size=1, drop_last=True)),
+        ("even", DataLoader(_data(12), batch_size=1)),
     ):
+        count = Count()
         trainer = eg.Trainer(
-            strategy="fsdp", devices=2, default_root_dir=root, **{**QUIET, **flags}
+            strategy="fsdp", devices=2, default_root_dir=root, callbacks=[count], **QUIET
         )
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             trainer.validate(task, task.init(torch.nn.Linear(6, 3)), loader, verbose=False)
-        out[name] = [str(w.message) for w in seen if "FSDP: every forward" in str(w.message)]
+        said = [str(w.message) for w in seen if "FSDP: every forward" in str(w.message)]
+        out[name] = {"said": said, "batches": count.batches}
     return out
 
 
 @pytest.mark.slow
-def test_fsdp_warns_of_evaluation_shards_of_other_numbers_of_batches(tmp_path):
+def test_fsdp_pads_evaluation_shards_so_every_rank_runs_as_many_forwards(tmp_path):
+    """Every FSDP forward gathers the parameters (a collective): unpadded evaluation shards of
+    11 samples on 2 ranks made rank 0's sixth forward wait alone (gloo failed or hung). They
+    are padded as DistributedSampler pads them, saying which samples count twice."""
     rank0, rank1 = run_ranks(_uneven_evaluation, 2, str(tmp_path), timeout=TIMEOUT)
-    assert len(rank0["uneven"]) == 1 and not rank1["uneven"]  # said once, by rank 0
-    message = rank0["uneven"][0]
+    assert rank0["uneven"]["batches"] == rank1["uneven"]["batches"] == 6
+    assert len(rank0["uneven"]["said"]) == 1 and not rank1["uneven"]["said"]  # rank 0, once
+    message = rank0["uneven"]["said"][0]
     assert (
-        "the validation dataloader (11 samples in 11 batches) deals 6 batches to rank 0, 5 "
-        "batches to rank 1" in message
+        "the validation dataloader (11 samples in 11 batches) repeats 1 sample of its order"
+        in message
     )
-    assert "limit_*_batches" in message and "drop_last=True" in message
-    assert rank0["drop_last"] == [] and rank1["drop_last"] == []
+    assert "multiple of 2 samples" in message and "drop_last=True" in message
+    assert rank0["drop_last"]["batches"] == rank1["drop_last"]["batches"] == 5
+    assert rank0["even"]["batches"] == rank1["even"]["batches"] == 6
+    for r in (rank0, rank1):
+        assert r["drop_last"]["said"] == [] and r["even"]["said"] == []
 
 
 # --------------------------------------------------------------------------- devices

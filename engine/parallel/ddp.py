@@ -92,7 +92,8 @@ class DDP(Strategy):
     """
 
     #: whether the evaluation steps are collectives (FSDP's forward gathers the parameters),
-    #: so that evaluation shards of other numbers of batches are warned of
+    #: so that every rank must run as many evaluation batches: its evaluation shards are then
+    #: padded (as training's), unless the loader drops its last partial batch
     evaluates_in_lockstep: bool = False
 
     def __init__(
@@ -369,11 +370,21 @@ class DDP(Strategy):
         from engine import data
 
         self._measure(loader, stage)
-        sharded = data.shard_loader(loader, self.global_rank, world, pad=stage == "train")
-        if sharded:
-            self._measured[-1] = self._measured[-1]._replace(
-                dealt=lengths.measure(loader, "", 0).batches
+        pad = stage == "train" or (
+            self.evaluates_in_lockstep and not getattr(loader, "drop_last", False)
+        )
+        sharded = data.shard_loader(loader, self.global_rank, world, pad=pad)
+        if sharded and pad and stage != "train":
+            # what the padding repeats: samples, or whole batches of a custom batch sampler
+            m = self._measured[-1]
+            n, unit = (
+                (m.samples, "sample")
+                if getattr(loader, "batch_size", None) is not None
+                else (m.batches, "batch")
             )
+            k = -(n or 0) % world
+            said = f"{k} {unit}{'es' if unit == 'batch' else 's'}" if k > 1 else f"{k} {unit}"
+            self._measured[-1] = m._replace(repeated=said if k else "")
         if not sharded and not _already_sharded(loader):
             warnings.warn(
                 f"DDP: the {stage} loader {type(loader).__name__} cannot be sharded (an "
@@ -409,7 +420,7 @@ class DDP(Strategy):
         message = lengths.disagreement(gathered)
         if message is not None:
             raise ValueError(f"{type(self).__name__}: {message}")
-        message = lengths.uneven(gathered) if self.evaluates_in_lockstep else None
+        message = lengths.repeated(gathered, dist.get_world_size())
         if message is not None and dist.get_rank() == 0:
             warnings.warn(f"{type(self).__name__}: {message}", stacklevel=3)
 

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Length", "disagreement", "measure", "uneven"]
+__all__ = ["Length", "disagreement", "measure", "repeated"]
 
 
 class Length(NamedTuple):
@@ -42,8 +42,9 @@ class Length(NamedTuple):
     idx: int
     samples: int | None
     batches: int | None
-    #: this rank's batches once sharded (``None``: not sharded, or no length)
-    dealt: int | None = None
+    #: what an evaluation shard's padding repeats of its order ("1 sample", "3 batches": a
+    #: strategy whose forward is a collective pads evaluation shards; "": nothing)
+    repeated: str = ""
 
     def describe(self) -> str:
         if self.samples is None and self.batches is None:
@@ -139,31 +140,26 @@ def disagreement(gathered: Sequence[Sequence[Length]]) -> str | None:
     )
 
 
-def uneven(gathered: Sequence[Sequence[Length]]) -> str | None:
-    """``None`` when every rank was dealt as many batches of each evaluation loader
-    (validation, test, predict), else a message naming each loader whose unpadded shards differ
-    in batches (a sharding strategy's forward is a collective: every rank must run as many)."""
+def repeated(gathered: Sequence[Sequence[Length]], world: int) -> str | None:
+    """``None`` when no evaluation loader's shards repeat a position of its order, else a
+    message naming each one whose padding does (every rank measured the same: rank 0's
+    measures are read)."""
     lines = []
-    for lengths in zip(*gathered, strict=False):
-        first = lengths[0]
-        dealt = [x.dealt for x in lengths]
-        if first.stage == "train" or None in dealt or len(set(dealt)) == 1:
+    for x in gathered[0]:
+        if x.stage == "train" or not x.repeated:
             continue
-        count = sum(1 for x in gathered[0] if x.stage == first.stage)
+        count = sum(1 for y in gathered[0] if y.stage == x.stage)
         lines.append(
-            f"{_name(first.stage, first.idx, count)} ({first.describe()}) deals "
-            + ", ".join(f"{d} batches to rank {r}" for r, d in enumerate(dealt))
+            f"{_name(x.stage, x.idx, count)} ({x.describe()}) repeats {x.repeated} of its "
+            "order to deal every rank as many"
         )
     if not lines:
         return None
     return (
         "every forward gathers the parameters on every rank, so every rank must run as many "
-        "evaluation batches as the others, but "
+        "evaluation batches: evaluation shards are padded as DistributedSampler pads them, and "
         + "; ".join(lines)
-        + " (evaluation shards are not padded, so that no sample counts twice). The rank with "
-        "fewer batches would leave the others waiting in their last one: the run fails in the "
-        "backend or hangs there, unless limit_*_batches caps every rank at the same count. "
-        "Give the loader drop_last=True (every rank then gets as many batches; the last "
-        "partial global batch is dropped), or a number of samples that makes as many batches "
-        "on every rank"
+        + f": their metrics count those twice. For every sample once, give the loader a "
+        f"multiple of {world} samples, or drop_last=True (the last partial global batch is "
+        "dropped)"
     )
