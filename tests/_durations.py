@@ -10,7 +10,10 @@ counted once, by the outer cost: a Lightning fit or a compile inside a child pro
 child's, and the parent's compile inside its own Lightning fit is compile):
 
 - ``ranks``: a rank launch: ``_ranks.run_ranks`` from its call to its return, or a child process
-  whose argv runs ``torchrun`` or ``torch.distributed.run``/``launch``, while it lives.
+  whose argv runs ``torchrun`` or ``torch.distributed.run``/``launch``, or a Python child given
+  ``MASTER_PORT``/``NODE_RANK``/``WORLD_SIZE`` in its ``env=`` (a node started by hand), while
+  it lives. A script that launches its own ranks (engine's self-launch) is an interpreter: the
+  parent does not see inside it.
 - ``interpreter``: a fresh Python interpreter, from its start until the test reaps it: a
   ``subprocess`` child whose argv runs Python (``sys.executable``, ``python*``, a script with a
   Python ``#!`` line such as ``.venv/bin/engine``), or a ``multiprocessing`` process of the
@@ -75,6 +78,7 @@ _LIGHTNING = ("pytorch_lightning", "lightning.pytorch")
 _TRAINER_METHODS = ("fit", "validate", "test", "predict")
 _PYTHON = re.compile(r"python[0-9.]*$")
 _RANK_MODULES = {"torch.distributed.run", "torch.distributed.launch"}
+_RENDEZVOUS = {"MASTER_PORT", "NODE_RANK", "WORLD_SIZE"}  # in a child's own env=: a rank
 _WRAPPERS = {"env", "timeout", "nice", "taskset", "stdbuf", "setpriv", "sudo", "sh", "bash"}
 
 _now = time.perf_counter
@@ -305,7 +309,10 @@ def _wrap_popen() -> None:
             text = " ".join(_list(argv))
             if "compile_worker" in text:
                 return  # Inductor's pool: the compile's
-            _child_started(self, classify(argv, bool(kw.get("shell"))), start)
+            cause = classify(argv, bool(kw.get("shell")))
+            if cause == "interpreter" and _RENDEZVOUS & set(kw.get("env") or ()):
+                cause = "ranks"  # a node or rank of a group the test starts by hand
+            _child_started(self, cause, start)
 
         return __init__
 

@@ -12,7 +12,7 @@ import pytest
 
 GENERATED = textwrap.dedent(
     """
-    import multiprocessing, subprocess, sys, time
+    import multiprocessing, os, subprocess, sys, time
 
     def test_child():
         subprocess.run([sys.executable, "-c", "import time; time.sleep(0.5)"], check=True)
@@ -31,6 +31,10 @@ GENERATED = textwrap.dedent(
         script.write_text(f"#!{sys.executable}\\nimport time\\ntime.sleep(0.3)\\n")
         script.chmod(0o755)
         subprocess.run([str(script)], check=True)
+
+    def test_node():  # a rank started by hand, as the two-node tests do
+        env = {**os.environ, "MASTER_PORT": "29500", "NODE_RANK": "1"}
+        subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
 
     def test_run_ranks():
         import _ranks
@@ -79,7 +83,7 @@ def _only(test, cause, counts):
 
 def test_a_python_child_is_a_fresh_interpreter_and_a_sleep_the_tests_own(measured):
     data, tests, _ = measured
-    assert data["collected"] == len(data["tests"]) == 7
+    assert data["collected"] == len(data["tests"]) == 8
     child, own = tests["test_child"], tests["test_own"]
     _only(child, "interpreter", {"interpreters": 1})
     assert child["by_cause"]["interpreter"] >= 0.5
@@ -99,8 +103,9 @@ def test_a_spawned_process_is_a_fresh_interpreter(measured):
     assert test["by_cause"]["interpreter"] >= 0.3
 
 
-def test_torchrun_and_run_ranks_are_rank_launches_not_interpreters(measured):
+def test_torchrun_a_node_and_run_ranks_are_rank_launches_not_interpreters(measured):
     torchrun, ranks = measured[1]["test_torchrun"], measured[1]["test_run_ranks"]
+    _only(measured[1]["test_node"], "ranks", {"rank_launches": 1})
     _only(torchrun, "ranks", {"rank_launches": 1})
     assert torchrun["by_cause"]["ranks"] >= 0.3
     _only(ranks, "ranks", {"rank_launches": 1})
@@ -145,7 +150,7 @@ def test_the_report_prints_the_total_the_slowest_the_causes_and_the_files(measur
         assert section in text, text
     slowest = text.split("slowest 2 tests")[1].split("time per file")[0]
     assert "test_child" in slowest and "test_own" not in slowest
-    assert "1 launches" not in text and "2 launches" in text and "2 fresh interpreters" in text
+    assert "3 launches" in text and "2 fresh interpreters" in text
     assert text.rstrip().endswith("test_generated.py")
 
 
