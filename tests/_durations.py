@@ -162,7 +162,7 @@ class _Recorder:
         self.counts = dict.fromkeys(COUNTS, 0)
         self.test_start = _now()
         self.tests: dict[str, dict[str, Any]] = {}
-        self.collected = self.deselected = 0
+        self.selected = self.deselected = 0
         self.session_start = self.collect_end = _now()
 
     # events, from the wrappers
@@ -214,11 +214,11 @@ class _Recorder:
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.collect_end = _now()
-        self.collected = len(session.items)
+        self.selected = len(session.items)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
-        self.collected = max(self.collected, len(ids))
+        self.selected = max(self.selected, len(ids))  # each worker collects them all
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -233,7 +233,8 @@ class _Recorder:
             "exitstatus": int(exitstatus),
             "session_s": _now() - self.session_start,
             "collection_s": self.collect_end - self.session_start,
-            "collected": self.collected,
+            "collected": self.selected + self.deselected,
+            "selected": self.selected,
             "deselected": self.deselected,
             "causes": [*CAUSES, "own"],
             "tests": list(self.tests.values()),
@@ -458,8 +459,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self.hooks = hooks
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        hook = self.hooks.pop(name, None)
-        if hook is None:
+        if name not in self.hooks:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -476,7 +476,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             execute(module)
-            if _RECORDERS:
+            hook = self.hooks.pop(name, None)  # only now: find_spec alone is not an import
+            if hook is not None and _RECORDERS:
                 hook(module)
 
         loader.exec_module = exec_module  # this module's loader only

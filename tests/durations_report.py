@@ -65,7 +65,8 @@ def report(data: dict[str, Any], top: int = 30, files: int | None = None) -> str
     wall = sum(t.get("wall_s", 0.0) for t in tests)
     out = [
         f"session {data['session_s']:,.1f} s (collection {data['collection_s']:,.1f} s) on "
-        f"{data.get('cpus')} CPUs; {data['collected']:,} tests collected, {len(tests):,} run, "
+        f"{data.get('cpus')} CPUs; {data['collected']:,} tests collected, "
+        f"{data.get('selected', data['collected']):,} selected, {len(tests):,} run, "
         f"in tests {wall:,.1f} s",
     ]
     outcomes: dict[str, int] = {}
