@@ -5,9 +5,9 @@ with ``python tests/durations_report.py PATH``. Disabled, it only registers the 
 
 For every test id it records the setup/call/teardown times pytest measured, the outcome, and the
 test's wall time (from the start of its setup to the end of its teardown) split into causes. At
-each instant the time goes to one cause, the first of these that is active (so nested time is
-counted once, by the outer cost: a Lightning fit or a compile inside a child process is the
-child's, and the parent's compile inside its own Lightning fit is compile):
+each instant the time goes to one cause, the first of these, in this order, that is active, so
+nested time is counted once: a Lightning fit or a compile inside a child process is the child's,
+a compile inside a Lightning fit in the test's own process is the compile's.
 
 - ``ranks``: a rank launch: ``_ranks.run_ranks`` from its call to its return, or a child process
   whose argv runs ``torchrun`` or ``torch.distributed.run``/``launch``, or a Python child given
@@ -25,8 +25,8 @@ child's, and the parent's compile inside its own Lightning fit is compile):
 - ``compile``: inside ``torch.compile``'s compilation, as torch reports it through
   ``torch._dynamo.callback_handler`` (each frame Dynamo compiles, with its Inductor backend, and
   the backward AOTAutograd compiles lazily): the cost of a cold cache, not the running of the
-  compiled code. Compiles inside child processes are the child's; Inductor's compile workers
-  started during a compile are the compile's.
+  compiled code. Compiles inside child processes are the child's; children started during a
+  compile (Inductor's compile workers, the C++ compiler) are the compile's.
 - ``lightning``: inside ``Trainer.fit/validate/test/predict`` of ``pytorch_lightning`` or
   ``lightning.pytorch``.
 - ``own``: the rest, the test's own work.
@@ -40,7 +40,14 @@ Lightning is imported; ``run_ranks``, when ``_ranks`` is imported), so a test th
 ``subprocess.run`` or ``subprocess.Popen`` still gets its own fake; the wrappers are plain calls
 and two clock reads, and they are removed when the session ends. Each record also carries
 counts: fresh interpreters, rank launches and their processes, other processes, compiles,
-Lightning runs. Under pytest-xdist the workers measure and the controller writes the file.
+Lightning runs. Under pytest-xdist the workers measure and send their records with the test
+reports, and the controller writes the file (written for it, not yet tried: xdist is not
+installed here).
+
+The file: ``session_s`` (from pytest's configure to the end), ``collection_s``, ``collected`` /
+``selected`` / ``deselected``, ``cpus``, ``argv``, and ``tests``: one record per test id with
+``outcome``, ``setup_s``/``call_s``/``teardown_s``, ``wall_s``, ``by_cause`` (seconds, summing
+to ``wall_s``) and ``counts``.
 """
 
 from __future__ import annotations
