@@ -178,7 +178,10 @@ def test_first_order_maml_equals_the_reference_with_detached_inner_gradients(ste
         # torchopt computes Adam's bias corrections as float32 tensors (``1 - b2 ** count``
         # with an int64 count), whose cancellation for b2 = 0.999 costs it ~3e-5 here (float64
         # runs put engine and the hand-written MAML 1e-15 apart, torchopt 3e-5 from both);
-        # with b2 = 0.99 its rounding stays below the tolerance
+        # with b2 = 0.99 its rounding is smaller, but not below 1e-5 on every CPU: on one
+        # (2026-12-03) torchopt was 8.8e-6 from the hand-written MAML with b2 = 0.99, engine
+        # 2.1e-6, and the two 1.09e-5 apart, so the bound is twice TOL here (the hand-written
+        # reference holds engine to TOL in the tests above)
         (
             optim.adam(INNER_LR, betas=(0.9, 0.99)),
             lambda t: t.adam(INNER_LR, betas=(0.9, 0.99)),
@@ -190,7 +193,8 @@ def test_first_order_maml_equals_the_reference_with_detached_inner_gradients(ste
 def test_meta_gradient_equals_torchopts(inner_tx, make, act):
     batch = _tasks()
     before, grads, _ = _engine_meta_grad(_model(act), inner_tx, 3, batch)
-    _close(grads, _torchopt_meta_grad(_model(act), before, batch, make, 3))
+    tol = TOL if inner_tx.name == "SGD" else 2 * TOL  # torchopt's float32 Adam: see above
+    _close(grads, _torchopt_meta_grad(_model(act), before, batch, make, 3), tol)
 
 
 def test_a_gradient_that_is_exactly_zero_leaves_adams_meta_gradient_finite():
