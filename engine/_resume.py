@@ -494,33 +494,72 @@ def _settle(listener: Any, path: Any, error: BaseException | None) -> None:
 
 class SignalCatcher:
     """SIGTERM and SIGINT during a fit: ``received`` records the signal, and the loop, at its
-    next check, saves a checkpoint and exits (:meth:`stop`)."""
+    next check, saves a checkpoint and exits (:meth:`stop`).
+
+    With several ranks the decision is the one the ranks agreed on, never this rank's flag
+    read after the agreement: the flag is read once, before the agreement's collective
+    (:meth:`offer`), and the agreement's outcome is what :meth:`settle` records in
+    ``agreed``. A signal that lands while the collective waits (the peer may be writing a
+    checkpoint for minutes) is the next check's, on every rank: acting on it now would send
+    this rank into the interrupted save's collectives while the others train on.
+    """
 
     def __init__(self) -> None:
-        self.received: int | None = None
+        self.received: int | None = None  # set by the handler: this process's signal
+        self.agreed: int | None = None  # the signal every rank acts on (set by settle)
+        self._offered: int | None = None
+        self._depth = 0
 
     @contextlib.contextmanager
     def catching(self) -> Iterator[None]:
         """During fit, SIGTERM and SIGINT only raise a flag, checked after each training batch
         (with its validation) and after each epoch's end: there the loop saves a checkpoint and
         exits (see :meth:`stop`). One that comes later, once the last epoch has ended, finds the
-        fit finished: it returns, saying so on stderr (:meth:`report_late`)."""
-        self.received = None
+        fit finished: it returns, saying so on stderr (:meth:`report_late`).
+
+        Nested uses are one: ``Trainer.fit`` catches from its first line (so a signal during
+        the launch and the process group's rendezvous is caught too) and the run inside it
+        keeps that handler and what it has received."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self.received = self.agreed = self._offered = None
         if threading.current_thread() is not threading.main_thread():
             yield  # signal handlers can only be installed from the main thread
             return
 
         def handler(signum: int, frame: Any) -> None:
+            # only an assignment: the handler runs between any two bytecodes of the main
+            # thread (inside a lock, a collective's Python wrapper, a save), so it does nothing
+            # that is not reentrant; the loop acts on the flag at its next agreed check
             if self.received is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now
             self.received = signum
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._depth = 1
         try:
             yield
         finally:
+            self._depth = 0
             for s, h in previous.items():
                 signal.signal(s, h)
+
+    def offer(self) -> bool:
+        """Whether this process has received a signal, read once for an agreement (what it
+        offers to the other ranks); :meth:`settle` then records the outcome."""
+        self._offered = self.received
+        return self._offered is not None
+
+    def settle(self, signalled: bool) -> None:
+        """Record the agreement's outcome: ``signalled`` (some rank received a signal) makes
+        ``agreed`` this rank's offered signal, or SIGTERM for another rank's."""
+        if signalled and self.agreed is None:
+            self.agreed = self._offered if self._offered is not None else signal.SIGTERM
 
     def stop(
         self,
@@ -533,8 +572,8 @@ class SignalCatcher:
         ``root``'s ``checkpoints``, say where on stderr, and exit as the signal asks; with
         several ranks, each exits once every rank is past the save (``barrier``), so no launcher
         ends rank 0's write by seeing another rank exit first."""
-        assert self.received is not None
-        name = signal.Signals(self.received).name
+        assert self.agreed is not None
+        name = signal.Signals(self.agreed).name
         path = save(Path(root) / "checkpoints" / f"interrupted-step={state.step}")
         barrier()
         message = (
@@ -543,7 +582,7 @@ class SignalCatcher:
             f"Trainer.fit(..., ckpt_path={str(path)!r}) or ckpt_path='last'"
         )
         print(message, file=sys.stderr)
-        if self.received == signal.SIGINT:
+        if self.agreed == signal.SIGINT:
             raise KeyboardInterrupt(message)
         raise SystemExit(message)
 
@@ -551,8 +590,9 @@ class SignalCatcher:
         """A signal that came after the last check of the fit (in ``on_train_end``,
         ``on_fit_end`` or teardown): training had finished, so the fit returns its final
         state; say so, since the signal asked for an end that had already come."""
-        assert self.received is not None
-        name = signal.Signals(self.received).name
+        late = self.received if self.received is not None else self.agreed
+        assert late is not None
+        name = signal.Signals(late).name
         print(
             f"{name} received after the last training step: the fit had finished (step "
             f"{step}, epoch {epoch}) and returns its final state; no "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -1040,9 +1039,16 @@ class Trainer(FlagViews):
         in the process group the strategy joins."""
         launcher = None if self._inside_launch else self._strategy.launcher
         if launcher is None:
-            self._strategy.setup()
-            return getattr(self, entry)(*args)
+            with self._catching(entry):
+                self._strategy.setup()
+                return getattr(self, entry)(*args)
         return launcher.launch(_launched, self, entry, args)
+
+    def _catching(self, entry: str) -> contextlib.AbstractContextManager[None]:
+        """A fit's SIGTERM / SIGINT are caught from before the process group is joined: one
+        during the rendezvous is acted on at the first check, as a later one is (the default
+        action would kill the rank and leave its peers waiting in a collective)."""
+        return self._signals.catching() if entry == "_fit_entry" else contextlib.nullcontext()
 
     def _fit_entry(
         self,
@@ -1114,7 +1120,8 @@ class Trainer(FlagViews):
         if state._ownership.consumed_by == "train_step":
             state._ownership.consumed_by = "Trainer.fit"  # its error says what to use instead
         assert self._state is not None
-        if self._signals.received is not None:  # after the last epoch's end: nothing to stop
+        if self._signals.received is not None or self._signals.agreed is not None:
+            # after the last epoch's end: nothing to stop
             self._signals.report_late(self.global_step, self.current_epoch)
         return self._state
 
@@ -1447,8 +1454,9 @@ def _launched(trainer: Trainer, entry: str, args: tuple[Any, ...]) -> Any:
     it joins the run's process group and runs, without launching again."""
     trainer._inside_launch = True
     try:
-        trainer._strategy.setup()
-        out = getattr(trainer, entry)(*args)
+        with trainer._catching(entry):  # this rank's fit: caught from the rendezvous on
+            trainer._strategy.setup()
+            out = getattr(trainer, entry)(*args)
         if isinstance(out, TrainState) and os.environ.get(LAUNCHED_BY_VAR, "").startswith("spawn:"):
             # the caller of a spawned run has no process group to hold shards in: every rank
             # gathers, and rank 0's whole state goes back
@@ -1604,12 +1612,13 @@ class _FitRun(_Services):
         return reducer.epoch_logged(self.trainer._strategy.sync)
 
     def agree(self, state: TrainState, progress: Progress) -> Progress:
-        if not self.several:
-            return progress
         t = self.trainer
-        stop, signalled = t._strategy.agree((progress.should_stop, t._signals.received is not None))
-        if signalled and t._signals.received is None:  # another rank's: stop with it
-            t._signals.received = signal.SIGTERM
+        offered = t._signals.offer()  # read once: one landing during the collective waits
+        if not self.several:
+            t._signals.settle(offered)
+            return progress
+        stop, signalled = t._strategy.agree((progress.should_stop, offered))
+        t._signals.settle(signalled)  # every rank acts on what every rank agreed
         if stop != progress.should_stop:
             progress = progress._replace(should_stop=stop)
             t._progress = progress
@@ -1619,7 +1628,7 @@ class _FitRun(_Services):
     def check(self, state: TrainState, progress: Progress) -> Progress:
         progress = self.agree(state, progress)
         t = self.trainer
-        if t._signals.received is not None:
+        if t._signals.agreed is not None:
             t._state, t._progress = state, progress
             t._signals.stop(state, t.default_root_dir, t.save_checkpoint, t._strategy.barrier)
         return progress
