@@ -25,7 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
-from engine import checkpoint
+from engine import _watchdog, checkpoint
 from engine.events import Save
 from engine.loop import LoopConfig
 from engine.loop.progress import Progress
@@ -517,9 +517,9 @@ class SignalCatcher:
         exits (see :meth:`stop`). One that comes later, once the last epoch has ended, finds the
         fit finished: it returns, saying so on stderr (:meth:`report_late`).
 
-        Nested uses are one: ``Trainer.fit`` catches from its first line (so a signal during
-        the launch and the process group's rendezvous is caught too) and the run inside it
-        keeps that handler and what it has received."""
+        Nested uses are one: a fit catches from before its process group is joined (so a
+        signal during the rendezvous is caught too, and acted on at the first check) and the
+        run inside it keeps that handler and what it has received."""
         if self._depth:
             self._depth += 1
             try:
@@ -668,7 +668,8 @@ def gather_to_rank_zero(sums: Mapping[str, Any]) -> list[dict[str, Any]]:
             tensors = [sums[n].detach() for n in names]
             flat = _flatten_dense_tensors(tensors)
             bins = [torch.empty_like(flat) for _ in range(world)] if rank == 0 else None
-            dist.gather(flat, bins, dst=0)
+            with _watchdog.guard("the gathering of every rank's partial gradient sums"):
+                dist.gather(flat, bins, dst=0)
             if bins is None:
                 continue
             for r in range(1, world):

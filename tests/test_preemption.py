@@ -292,3 +292,45 @@ def test_sigterm_at_random_moments_on_random_ranks_never_hangs(tmp_path):
     if full:
         print(json.dumps(results, indent=1))
     assert len(results) == tries
+
+
+# ------------------------------------------------------------------ bounded waits
+
+
+def test_a_rank_that_does_not_come_ends_the_wait_with_the_collective_the_ranks_and_stacks(
+    tmp_path,
+):
+    # rank 1 sleeps in a listener; rank 0 waits in the next check's agreement, for the
+    # strategy's timeout (4 s), then fails naming it and rank 1; rank 1, asked through the
+    # store, dumps its stack (in the listener) while it still sleeps
+    run = Run(
+        tmp_path, {"strategy": "ddp", "inject": "stall", "rank": 1, "stall": 12, "timeout": 4}
+    )
+    try:
+        codes, _ = run.end(60)
+    finally:
+        run.kill()
+    zero, one = run.output(0), run.output(1)
+    assert codes[0] != 0 and codes[1] != 0, (codes, zero, one)
+    assert (
+        "CollectiveError: the agreement on stopping (a check of the loop) failed on rank 0" in zero
+    )
+    assert "rank(s) [1] did not join it (rank 1 outside engine's collectives" in zero, zero
+    assert "timeout 4 s" in zero
+    # both ranks' Python stacks: rank 0's in the agreement, rank 1's in its listener's sleep
+    assert "engine watchdog: rank 0" in zero and "in agree" in zero, zero
+    assert "engine watchdog: rank 1: asked by rank 0" in one, one
+    assert "in on_train_batch_end" in one.split("engine watchdog: rank 1")[1], one
+
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True, "30", [5]])
+def test_the_timeout_option_refuses_what_is_not_a_positive_duration(value):
+    import datetime
+
+    from engine.parallel import DDP, FSDP
+
+    for kind in (DDP, FSDP):
+        with pytest.raises(ValueError, match=rf"{kind.__name__}\(timeout=.*seconds > 0"):
+            kind(timeout=value)
+    assert DDP(timeout=90).timeout == datetime.timedelta(seconds=90)
+    assert DDP().timeout == datetime.timedelta(minutes=30)
