@@ -82,10 +82,14 @@ class _Watch:
         return "; ".join(f"in {name} for {time.monotonic() - t:.0f} s" for name, t in waits)
 
     def dump(self, why: str) -> None:
-        print(f"engine watchdog: rank {self.rank}: {why}; its Python stacks:", file=sys.stderr)
-        sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
+        """Every thread's Python stack on this process's stderr (the file descriptor: a
+        replaced ``sys.stderr`` may have none); never raises."""
+        with contextlib.suppress(Exception):
+            out = sys.__stderr__ or sys.stderr
+            out.write(f"engine watchdog: rank {self.rank}: {why}; its Python stacks:\n")
+            out.flush()
+            faulthandler.dump_traceback(file=out, all_threads=True)
+            out.flush()
 
     def publish(self, why: str) -> None:
         """Ask every rank for its stacks and its place; say ours."""
