@@ -19,6 +19,7 @@ waits in (two assignments) and the watcher thread wakes once a second.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import faulthandler
@@ -168,13 +169,22 @@ def start(timeout: datetime.timedelta) -> None:
         store = None
     _watch = _Watch(timeout.total_seconds(), dist.get_rank(), dist.get_world_size(), store)
     _watch.thread.start()
+    if not _at_exit:
+        _at_exit.append(atexit.register(stop))
+
+
+_at_exit: list[Any] = []
 
 
 def stop() -> None:
+    """Stop watching: the watcher thread ends (waited for a moment: at the interpreter's exit
+    it must not be inside the store's client code)."""
     global _watch
-    if _watch is not None:
-        _watch.stopped.set()
-        _watch = None
+    watch, _watch = _watch, None
+    if watch is not None:
+        watch.stopped.set()
+        if watch.thread is not threading.current_thread():
+            watch.thread.join(timeout=2.0)
 
 
 @contextlib.contextmanager

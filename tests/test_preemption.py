@@ -131,7 +131,7 @@ def _env(rank: int, port: int) -> dict[str, str]:
 class Run:
     """The 2 ranks of one run, each a process of its own, their output in files."""
 
-    def __init__(self, tmp: Path, args: dict) -> None:
+    def __init__(self, tmp: Path, args: dict, ranks: tuple[int, ...] = (0, 1)) -> None:
         self.dir = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         script = tmp / "fit.py"
@@ -139,6 +139,8 @@ class Run:
         port = free_port()
         self.args = {"root": str(tmp / "run"), **args}
         self.outs = [tmp / f"rank{r}.out" for r in range(2)]
+        for out in self.outs:
+            out.write_text("")
         self.procs = [
             subprocess.Popen(
                 [sys.executable, str(script), json.dumps(self.args)],
@@ -147,6 +149,7 @@ class Run:
                 stderr=subprocess.STDOUT,
             )
             for r, out in enumerate(self.outs)
+            if r in ranks
         ]
 
     def output(self, rank: int) -> str:
@@ -288,7 +291,9 @@ def _attack(tmp: Path, index: int, seed: int) -> dict:
             # for it no longer than its timeout (the rendezvous's), and fails
             codes, _ = run.end(60 - (time.monotonic() - sent))
             took = time.monotonic() - sent
-            assert codes[1 - rank] != 0 and not run.interrupted(), (codes, run.output(1 - rank))
+            peer = run.output(1 - rank)
+            assert codes[1 - rank] != 0 and not run.interrupted(), (codes, peer)
+            assert "CollectiveError: joining the process group" in peer, peer[-3000:]
             assert "@fit" not in run.output(rank)
         else:
             codes, took = _stopped_together(run, 60 - (time.monotonic() - sent))
@@ -344,6 +349,22 @@ def test_a_rank_that_does_not_come_ends_the_wait_with_the_collective_the_ranks_a
     assert "engine watchdog: rank 0" in zero and "in agree" in zero, zero
     assert "engine watchdog: rank 1: asked by rank 0" in one, one
     assert "in on_train_batch_end" in one.split("engine watchdog: rank 1")[1], one
+
+
+@pytest.mark.parametrize("alone", [0, 1])
+def test_a_rank_whose_peer_never_starts_fails_within_its_timeout_naming_the_rendezvous(
+    tmp_path, alone
+):
+    run = Run(tmp_path, {"strategy": "ddp", "timeout": 3}, ranks=(alone,))
+    try:
+        (code,), took = run.end(60)
+    finally:
+        run.kill()
+    out = run.output(alone)
+    assert code != 0 and took < 40, (code, took, out)
+    who = "the other ranks did not all join" if alone == 0 else "rank 0, which holds the"
+    assert "CollectiveError: joining the process group at tcp://127.0.0.1:" in out, out
+    assert f"failed on rank {alone} of 2" in out and who in out and "(timeout 3 s)" in out, out
 
 
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True, "30", [5]])

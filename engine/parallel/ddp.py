@@ -38,6 +38,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -51,6 +52,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from engine import _watchdog
 from engine import step as _step
+from engine.errors import CollectiveError
 from engine.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from engine.state import TrainState
 from engine.transforms.base import Strategy
@@ -266,10 +268,37 @@ class DDP(Strategy):
             )
         else:
             kwargs["init_method"] = "env://"
-        dist.init_process_group(self._backend(), **kwargs)
+        start = time.monotonic()
+        try:
+            dist.init_process_group(self._backend(), **kwargs)
+        except dist.DistError as e:  # the rendezvous's store: refused, or timed out
+            raise self._rendezvous_failed(kwargs, time.monotonic() - start, e) from e
         atexit.register(_destroy)
         self._joined = True
         _watchdog.start(self.timeout)
+
+    def _rendezvous_failed(
+        self, kwargs: dict[str, Any], waited: float, cause: BaseException
+    ) -> CollectiveError:
+        """The error of a rendezvous that did not complete within the timeout: who waited
+        for whom, where."""
+        where = kwargs["init_method"]
+        if where == "env://":
+            where = f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        rank, world = self.global_rank, self.world_size
+        who = (
+            "the other ranks did not all join"
+            if rank == 0
+            else "rank 0, which holds the rendezvous, did not answer"
+        )
+        first = (str(cause).strip().splitlines() or [""])[0]
+        return CollectiveError(
+            f"joining the process group at {where} failed on rank {rank} of {world} after "
+            f"{waited:.1f} s (timeout {self.timeout.total_seconds():g} s): {who} (dead, not "
+            f"started yet, or given another address, port or world size); cause: "
+            f"{type(cause).__name__}: {first[:300]}. Every rank must start and reach the "
+            "Trainer's call within the timeout (DDP(timeout=...))"
+        )
 
     def teardown(self) -> None:
         """Kept joined: a process's later ``validate`` / ``test`` runs reuse the group; it is
