@@ -1039,16 +1039,10 @@ class Trainer(FlagViews):
         in the process group the strategy joins."""
         launcher = None if self._inside_launch else self._strategy.launcher
         if launcher is None:
-            with self._catching(entry):
+            with self._signals.catching(entry == "_fit_entry"):  # from before the rendezvous
                 self._strategy.setup()
                 return getattr(self, entry)(*args)
         return launcher.launch(_launched, self, entry, args)
-
-    def _catching(self, entry: str) -> contextlib.AbstractContextManager[None]:
-        """A fit's SIGTERM / SIGINT are caught from before the process group is joined: one
-        during the rendezvous is acted on at the first check, as a later one is (the default
-        action would kill the rank and leave its peers waiting in a collective)."""
-        return self._signals.catching() if entry == "_fit_entry" else contextlib.nullcontext()
 
     def _fit_entry(
         self,
@@ -1120,8 +1114,7 @@ class Trainer(FlagViews):
         if state._ownership.consumed_by == "train_step":
             state._ownership.consumed_by = "Trainer.fit"  # its error says what to use instead
         assert self._state is not None
-        if self._signals.received is not None or self._signals.agreed is not None:
-            # after the last epoch's end: nothing to stop
+        if self._signals.came:  # after the last epoch's end: nothing to stop
             self._signals.report_late(self.global_step, self.current_epoch)
         return self._state
 
@@ -1454,7 +1447,7 @@ def _launched(trainer: Trainer, entry: str, args: tuple[Any, ...]) -> Any:
     it joins the run's process group and runs, without launching again."""
     trainer._inside_launch = True
     try:
-        with trainer._catching(entry):  # this rank's fit: caught from the rendezvous on
+        with trainer._signals.catching(entry == "_fit_entry"):  # from before the rendezvous
             trainer._strategy.setup()
             out = getattr(trainer, entry)(*args)
         if isinstance(out, TrainState) and os.environ.get(LAUNCHED_BY_VAR, "").startswith("spawn:"):
@@ -1613,12 +1606,9 @@ class _FitRun(_Services):
 
     def agree(self, state: TrainState, progress: Progress) -> Progress:
         t = self.trainer
-        offered = t._signals.offer()  # read once: one landing during the collective waits
-        if not self.several:
-            t._signals.settle(offered)
-            return progress
-        stop, signalled = t._strategy.agree((progress.should_stop, offered))
-        t._signals.settle(signalled)  # every rank acts on what every rank agreed
+        flags = (progress.should_stop, t._signals.offer())  # read once, before the collective
+        stop, signalled = t._strategy.agree(flags) if self.several else flags
+        t._signals.settle(signalled)  # every rank acts on what the ranks agreed, nothing later
         if stop != progress.should_stop:
             progress = progress._replace(should_stop=stop)
             t._progress = progress
