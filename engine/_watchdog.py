@@ -185,6 +185,7 @@ def stop() -> None:
         watch.stopped.set()
         if watch.thread is not threading.current_thread():
             watch.thread.join(timeout=2.0)
+        watch.store = None  # the store ends with its process group, not with this thread
 
 
 @contextlib.contextmanager
