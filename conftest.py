@@ -1,4 +1,14 @@
+import sys
+from pathlib import Path
+
 import pytest
+
+# tests/ on the path as pytest puts it for the test modules (`from _ranks import ...`), a little
+# earlier, for the plugin that measures where the time goes (`--durations-json=PATH`).
+_TESTS = str(Path(__file__).parent / "tests")
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+pytest_plugins = ["_durations"]
 
 
 @pytest.fixture(autouse=True)

@@ -280,6 +280,19 @@ class _Claim:
         os.close(self.fd)
 
 
+def _read_own(file: Path) -> bytes:
+    """The bytes of ``file``, a file of the checkpoint directory it is named in: a symbolic
+    link is followed only to a file beside it (as for the files ``meta.json`` names)."""
+    if file.is_symlink():
+        real = os.path.realpath(file)
+        if os.path.dirname(real) != os.path.realpath(file.parent):
+            raise CheckpointError(
+                f"{file}: a symbolic link to {real}, outside the checkpoint directory; a "
+                "checkpoint reads only files of its own: refused"
+            )
+    return file.read_bytes()
+
+
 def _short(checksum: str) -> str:
     """A checksum as error messages show it: the first 16 characters after its scheme."""
     return checksum.rpartition(":")[2][:16]

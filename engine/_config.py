@@ -326,13 +326,16 @@ def check_loggers(value: Any) -> None:
             )
 
 
-def check_plugins(value: Any, precision: Any, detect_anomaly: bool = False) -> tuple[Any, ...]:
+def check_plugins(
+    value: Any, precision: Any, detect_anomaly: bool = False, *, world: int = 1
+) -> tuple[Any, ...]:
     """``plugins``: None, or engine's own objects where Lightning takes its plugins, alone or in
     a list: a precision (an :class:`engine.transforms.Transform`, used in the precision slot),
     :class:`engine.transforms.SingleDevice` (placement), :class:`engine.transforms.DetectAnomaly`,
     :class:`engine.privacy.DPSGD` (the privacy slot) and a
     :class:`engine.checkpoint.CheckpointIO`. At most one of each kind; a precision plugin
-    and a ``precision`` flag together are refused, as Lightning refuses them."""
+    and a ``precision`` flag together are refused, as Lightning refuses them, and so is DP-SGD
+    in a run of ``world`` > 1 processes."""
     from engine.checkpoint import CheckpointIO
     from engine.privacy import DPSGD
     from engine.transforms import DetectAnomaly, SingleDevice, Transform
@@ -390,6 +393,13 @@ def check_plugins(value: Any, precision: Any, detect_anomaly: bool = False) -> t
         raise ValueError(
             f"Trainer(precision={precision!r}, plugins=[{seen['precision']!r}]): both set the "
             "precision; pass one"
+        )
+    if "privacy" in seen and world > 1:
+        from engine.transforms.compose import one_process_only
+
+        raise ValueError(
+            f"Trainer(plugins=[{seen['privacy']!r}], devices x num_nodes = {world}): "
+            + one_process_only(world)
         )
     return items
 

@@ -123,6 +123,7 @@ def decode(raw: bytes, path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path}: 'format_version' must be an int >= 1 (got {version!r}); the file is damaged"
         )
+    _layout_agrees(doc, path)  # before "newer": an edited layout is no newer format
     sharded = doc.get("layout") == SHARDED
     newest = SHARDED_FORMAT_VERSION if sharded else FORMAT_VERSION
     if version > newest:
@@ -171,6 +172,26 @@ def decode(raw: bytes, path: Path) -> dict[str, Any]:
     if version >= 4:
         _verify(raw, path, recorded)
     return meta
+
+
+def _layout_agrees(doc: Mapping[str, Any], path: Path) -> None:
+    """Refuse a ``layout`` that the files contradict: a sharded checkpoint's files (under
+    ``shards/``) with another layout, or ``tensors.pt`` alone with ``"sharded"``."""
+    files = doc.get("files")
+    if not isinstance(files, dict):
+        return  # the schema names what is wrong with it
+    names = sorted(str(n) for n in files)
+    shards = [n for n in names if n.startswith(f"{SHARDS}/")]
+    claimed = doc.get("layout")
+    full = "tensors.pt" in files
+    if (claimed != SHARDED and shards and not full) or (claimed == SHARDED and full and not shards):
+        said = "no 'layout' (a full checkpoint)" if claimed is None else f"'layout' {claimed!r}"
+        kind = "a sharded checkpoint's" if shards else "a full checkpoint's"
+        raise CheckpointError(
+            f"{path}: {said}, but its 'files' are {kind} ({names[:3]}"
+            f"{', ...' if len(names) > 3 else ''}): the layout and the files disagree; the "
+            "checkpoint was edited. Refused"
+        )
 
 
 def _decode_floats(x: Any) -> Any:

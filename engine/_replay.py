@@ -554,23 +554,26 @@ def _fingerprint(state: TrainState, journaled: Any) -> str:
 
 
 def _checkpoints(
-    root: Path, journal: _Lines, from_step: int, passed: list[str]
+    root: Path, journal: _Lines, from_step: int, passed: list[str], trusted: bool
 ) -> Iterator[tuple[Path, dict[str, Any]]]:
     """The journaled checkpoints taken before step ``from_step`` ran, newest first, each found,
     verified and holding the position (and, where its metadata records one, the fingerprint)
     of the journal line naming it. A checkpoint overwritten since (a reused name such as
     ``last``) is passed over with a warning, and said in ``passed``; the replay checks the
     fingerprint of the one it starts from and falls back to the next if it differs."""
-    candidates = [
-        x for x in journal.lines if isinstance(x.get("checkpoint"), str) and x["step"] < from_step
-    ]
-    candidates.sort(key=_line_key, reverse=True)
-    for line in candidates:
+    candidates = [x for x in journal.lines if isinstance(x.get("checkpoint"), str)]
+    for line in sorted(candidates, key=_line_key, reverse=True):
+        if line["step"] >= from_step:
+            continue
         journaled = Path(line["checkpoint"])
         where = f"journaled at step {line['step']} (line {journal.number(line)})"
         # the run directory may have moved since: look for the checkpoint beside the journal too
         places = (journaled, root / journaled.name, root / "checkpoints" / journaled.name)
         for path in dict.fromkeys(places):
+            # a path from the journal leads out of the run directory only for a trusted run
+            # (its ModelCheckpoint's dirpath may be anywhere): else nothing there is opened
+            if not (trusted or Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))):
+                continue
             if not (path / checkpoint.META).is_file():
                 continue
             try:
@@ -748,13 +751,8 @@ def _check_line(path: Path, number: int, line: Any) -> None:
 def _run_file(root: Path, name: Any, what: str) -> Path:
     """``root / name``, refused unless it is a file of the run directory itself: a plain file
     name, not a link out of it (pickled code is read from nowhere else, even when trusted)."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or Path(name).name != name
-        or "\\" in name
-    ):
+    plain = isinstance(name, str) and name not in ("", ".", "..") and "\\" not in name
+    if not plain or Path(name).name != name:
         raise ReplayError(
             f"{root / JOURNAL}: {what} names {name!r}, not a file name inside the run directory: "
             "refused (replay reads a run's code only from its own directory)"
@@ -821,7 +819,7 @@ def replay(
     journal = _Lines(root)
     from_step, to_step = _span(journal, from_step, to_step)
     passed: list[str] = []
-    found = _checkpoints(root, journal, from_step, passed)
+    found = _checkpoints(root, journal, from_step, passed, trust_code)
     first = next(found, None)
     if first is None and passed:
         raise _no_start(root, from_step, passed)
@@ -1230,11 +1228,11 @@ def _run_checked(
             failure = getattr(checker, "failure", None)  # a data-parallel replay's, kept
             if failure is not None:
                 raise failure
-        except _Diverged as e:
+        except _Diverged as e:  # matched at its own step (an edited loss): pinned, not (n, n]
             outcome["divergence"] = e.divergence
-            outcome["diverged_after"] = e.after
-            outcome["losses_matched"] = e.losses_matched
-            if e.after is not None and e.after == e.divergence.step - 1:
+            after = e.after if e.after is None else min(e.after, e.divergence.step - 1)
+            outcome["diverged_after"], outcome["losses_matched"] = after, e.losses_matched
+            if after is not None and after == e.divergence.step - 1:
                 outcome["first_divergent_step"] = e.divergence.step
         except (_WrongStart, ReplayError):
             raise

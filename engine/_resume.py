@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from engine import _watchdog, checkpoint
+from engine import _opt_fit, _watchdog, checkpoint
 from engine._signals import SignalCatcher as SignalCatcher  # the Trainer's, re-exported
 from engine.events import Save
 from engine.loop import LoopConfig
@@ -93,6 +93,9 @@ class Checkpointer:
         # set while a save is carried out for a listener that runs on rank 0 alone (the
         # journal): no other rank is there to join a collective
         self._rank_zero_alone = False
+        #: the run's optimizer (set by the Trainer per run): named in meta.json, and in the
+        #: refusal of a checkpoint whose optimizer state it cannot continue
+        self.optimizer: Any = None
 
     def keyed_listeners(self, *, stateful_only: bool = True) -> list[tuple[str, Any]]:
         """The listeners by key: ``state_key`` or the class name, ``#n`` for the n-th of a key."""
@@ -220,6 +223,8 @@ class Checkpointer:
             extra["hparams"] = checkpoint._hparams_doc(run.hparams)
         if run.datamodule:
             extra["datamodule"] = dict(run.datamodule)
+        if self.optimizer is not None and _opt_fit.name_of(self.optimizer):
+            extra[_opt_fit.EXTRA_KEY] = _opt_fit.name_of(self.optimizer)
         metrics = dict(run.callback_metrics) if metrics is None else metrics
         # other ranks' partial gradient sums, only where there are some: a CheckpointIO of
         # the user's own that takes no such argument still saves a one-process run
@@ -264,6 +269,11 @@ class Checkpointer:
                 continue
             for p in entries:
                 try:
+                    real = os.path.realpath(p)
+                    if p.is_symlink() and os.path.dirname(real) != os.path.realpath(root):
+                        # a link out of the directory: not one of its checkpoints
+                        unreadable.append(f"{p} (a symbolic link to {real}, outside {root})")
+                        continue
                     if (p / checkpoint.META).is_file():
                         found.append(p)
                 except OSError as e:  # cannot be entered (EACCES)
@@ -306,7 +316,14 @@ class Checkpointer:
         self, path: Path, template: TrainState, *, stage: str | None, asked: Any
     ) -> TrainState:
         """The state in the checkpoint at ``path`` (``asked``: the ``ckpt_path`` given), with
-        ``template``'s structure; a fit refuses a weights-only one."""
+        ``template``'s structure; a fit refuses a weights-only one, and any stage an optimizer
+        state that does not fit (:mod:`engine._opt_fit`, naming the run's optimizer)."""
+        with _opt_fit.loading(path, self.optimizer, stage=stage, asked=asked):
+            return self._load(path, template, stage=stage, asked=asked)
+
+    def _load(
+        self, path: Path, template: TrainState, *, stage: str | None, asked: Any
+    ) -> TrainState:
         if path.is_file():  # engine's checkpoints are directories
             raise checkpoint.CheckpointError(
                 f"{stage}(ckpt_path={str(asked)!r}): {path} is a file, not an engine checkpoint "

@@ -28,23 +28,22 @@ world size and mesh: DCP reads the chunks each rank's shard overlaps) or plain f
 from __future__ import annotations
 
 import contextlib
-import io
+import errno
 import os
-import pickle
 import shutil
 import stat
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from engine import _meta, _watchdog
+from engine import _meta, _shard_index, _watchdog
 from engine._checksum import _checksum, _start_checksum
 from engine._ckpt_files import (
     META,
@@ -64,7 +63,7 @@ from engine.state import TrainState
 
 __all__: list[str] = []
 
-_INDEX = ".metadata"  # DCP's index file, in shards/
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk (or quota)
 
 
 # --------------------------------------------------------------------------- saving
@@ -86,21 +85,37 @@ def _describe_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Any]:
 
 def _agree(error: BaseException | None, target: Path, stage: str, group: Any = None) -> None:
     """Every rank's outcome of ``stage``, exchanged (a collective): raise on every rank if it
-    failed on any, naming the ranks and their errors; this rank's own error first."""
+    failed on any, naming the ranks and their errors: a full disk on any rank first (called
+    one on every rank, naming the rank), then this rank's own error."""
     world = dist.get_world_size()
     told: list[Any] = [None] * world
     mine = None if error is None else f"{type(error).__name__}: {error}"
-    _exchange(dist.all_gather_object, target, stage, told, mine, group=group)
-    failed = [(r, m) for r, m in enumerate(told) if m is not None]
+    # an OSError's errno travels with it: a full disk is called one on every rank
+    number = error.errno if isinstance(error, OSError) else None
+    _exchange(dist.all_gather_object, target, stage, told, (mine, number), group=group)
+    failed = [(r, m, n) for r, (m, n) in enumerate(told) if m is not None]
+    full = next(((r, n) for r, _, n in failed if n in _FULL), None)
+    if isinstance(error, (CheckpointError, KeyboardInterrupt, SystemExit)):
+        raise error  # an interrupt passes through, once every rank knows the save failed
+    if full is not None:  # a full disk on any rank is called one on every rank
+        rank, number = full
+        cause = (
+            error
+            if rank == dist.get_rank() and isinstance(error, OSError)
+            else OSError(number, os.strerror(number))
+        )
+        what = {
+            "writing its shards": f"rank {rank}'s shards",
+            "creating its temporary directory": f"the temporary directory (rank {rank})",
+        }.get(stage, "")
+        raise _write_failed(target, cause, what, (target / META).is_file()) from error
     if error is not None:
-        if isinstance(error, CheckpointError):
-            raise error
         raise CheckpointError(
             f"the sharded save of {target} failed on rank {dist.get_rank()} {stage}: {mine}; "
             "nothing was written under its name"
         ) from error
     if failed:
-        said = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        said = "; ".join(f"rank {r}: {m}" for r, m, _ in failed)
         raise CheckpointError(
             f"the sharded save of {target} failed {stage} on another rank ({said}); every "
             "rank stops the save and nothing was written under its name"
@@ -117,7 +132,8 @@ def _exchange(collective: Any, target: Path, stage: str, *args: Any, **kwargs: A
         raise CheckpointError(
             f"the sharded save of {target} failed {stage}: another rank stopped answering "
             f"(it died or left the save: {type(e).__name__}: {e}); nothing was written under "
-            "its name. Every rank must call checkpoint.save with the same path"
+            "its name. A rank that died ends the run (its own output says why); if none did, "
+            "every rank must call checkpoint.save with the same path"
         ) from e
 
 
@@ -239,6 +255,8 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
     rename; the collectives on ``group`` (``None``: the default group)."""
     import torch.distributed.checkpoint as dcp
 
+    from engine import _shard_faults
+
     rank = dist.get_rank()
     claim = None
     tmp: Path | None = None
@@ -258,11 +276,16 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
         _agree(problem, target, stage, group)
         shards = Path(names[0]) / SHARDS
         problem = None
+        noticed = None
         try:
             writer = dcp.FileSystemWriter(shards, sync_files=True, overwrite=False)
+            # DCP's own call, not _shard_index.dcp_call: _shard_faults reads every rank's
+            # failure from its CheckpointException, and _agree says it in one line
+            noticed = _shard_faults.noticing(writer)  # the OSError behind torch.save's own
             dcp.save(tensors, storage_writer=writer, process_group=group)
         except BaseException as e:
-            problem = e
+            noted = noticed.error if noticed is not None else None
+            problem = _shard_faults.cause(e, noted, dist.get_rank(group))
         _agree(problem, target, "writing its shards", group)
         outcome: list[Any] = [None]
         if rank == 0:
@@ -270,10 +293,11 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
             try:
                 _commit(meta, tmp, target, claim)
             except BaseException as e:
-                outcome = [f"{type(e).__name__}: {e}"]
+                failed = _failed(target, e)
+                outcome = [str(failed)]  # a full disk is called one on every rank
                 with contextlib.suppress(Exception):  # a peer gone meanwhile: this error first
                     dist.broadcast_object_list(outcome, src=0, group=group)
-                raise _failed(target, e) from e
+                raise failed from e
             # the checkpoint is in place: a peer gone by now does not undo it
             with contextlib.suppress(Exception):
                 dist.broadcast_object_list(outcome, src=0, group=group)
@@ -281,10 +305,7 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
             stage = "renaming it into place"
             _exchange(dist.broadcast_object_list, target, stage, outcome, group=group)
             if outcome[0] is not None:
-                raise CheckpointError(
-                    f"the sharded save of {target} failed on rank 0 while writing meta.json "
-                    f"and renaming it into place: {outcome[0]}"
-                )
+                raise CheckpointError(f"rank 0 failed the sharded save: {outcome[0]}")
         return target
     finally:
         if tmp is not None:
@@ -322,12 +343,19 @@ def _commit(meta: dict[str, Any], tmp: Path, target: Path, claim: Any) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def verify(root: Path, meta: Mapping[str, Any]) -> None:
+def verify(root: Path, meta: Mapping[str, Any]) -> Any:
     """Check every file of the sharded checkpoint at ``root``: a name under ``shards/``, a
-    regular file of the size recorded, its checksum; and that DCP's index reads safely."""
+    regular file of the size recorded, its checksum; then DCP's index, read safely and checked
+    against ``meta.json`` (engine/_shard_index.py). Returns that index: the loaders hand it to
+    DCP, which reads no other."""
     files = dict(meta["files"])
     sizes = meta.get("sizes") or {}
     inside = os.path.realpath(root / SHARDS)
+    if os.path.islink(root / SHARDS) or inside != os.path.join(os.path.realpath(root), SHARDS):
+        raise CheckpointError(
+            f"{root / SHARDS}: a symbolic link to {inside}, outside the checkpoint directory; a "
+            "checkpoint reads only files of its own: refused"
+        )
     for name in files:
         if not _meta.shard_name(name):
             raise CheckpointError(_meta.not_plain(root / META, name))
@@ -350,6 +378,23 @@ def verify(root: Path, meta: Mapping[str, Any]) -> None:
                 f"{file}: {st.st_size} bytes, where meta.json records {sizes[name]}; the file is "
                 "truncated, damaged or was replaced (refused before reading it)"
             )
+    extra = sorted(p.name for p in (root / SHARDS).iterdir() if f"{SHARDS}/{p.name}" not in files)
+    if extra:
+        raise CheckpointError(
+            f"{root / SHARDS}: holds files meta.json does not name ({extra}); the checkpoint "
+            "was edited: refused"
+        )
+    # the index first (its checksum, then its entries against meta.json): a shard is read
+    # (hashed, then loaded) only once the index is known to point into the checkpoint alone
+    index_name = f"{SHARDS}/{_shard_index.INDEX}"
+    _checksums(root, {index_name: files[index_name]})
+    index = _shard_index.checked(root, meta)
+    _checksums(root, {n: d for n, d in files.items() if n != index_name})
+    return index
+
+
+def _checksums(root: Path, files: Mapping[str, str]) -> None:
+    """Each file's checksum against the one recorded (hashed in parallel)."""
     try:
         digests = {name: _start_checksum(root / name, d) for name, d in files.items()}
         for name, expected in files.items():
@@ -362,77 +407,17 @@ def verify(root: Path, meta: Mapping[str, Any]) -> None:
                 )
     except OSError as e:
         raise CheckpointError(f"{e.filename or root}: cannot be read ({e.strerror or e})") from e
-    extra = sorted(p.name for p in (root / SHARDS).iterdir() if f"{SHARDS}/{p.name}" not in files)
-    if extra:
-        raise CheckpointError(
-            f"{root / SHARDS}: holds files meta.json does not name ({extra}); the checkpoint "
-            "was edited: refused"
-        )
-    _index(root)
 
 
-class _IndexUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata classes, ``torch.Size``, dtypes, layouts and paths; anything else
-    in ``.metadata`` is refused, so no code from a file runs (its bytes are verified first)."""
-
-    _CLASSES: ClassVar[dict[str, set[str]]] = {
-        "torch.distributed.checkpoint.metadata": {
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        },
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.serialization": {"_get_layout"},
-        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
-        "pathlib._local": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-        "collections": {"OrderedDict"},
-        "torch": {"Size"},
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in self._CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
-
-
-def _index(root: Path) -> Any:
-    """DCP's ``shards/.metadata``, read safely (see :class:`_IndexUnpickler`)."""
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
-    path = root / SHARDS / _INDEX
-    try:
-        index = _IndexUnpickler(io.BytesIO(path.read_bytes())).load()
-    except Exception as e:
-        raise CheckpointError(
-            f"{path}: refused: {e}. engine reads only DCP's tensor metadata from it and never "
-            "runs code from a file"
-        ) from e
-    if not isinstance(index, Metadata) or not all(
-        isinstance(m, TensorStorageMetadata) for m in index.state_dict_metadata.values()
-    ):
-        raise CheckpointError(f"{path}: not an index of tensors written by engine; refused")
-    return index
-
-
-def _reader(root: Path) -> Any:
+def _reader(root: Path, index: Any) -> Any:
+    """DCP's file reader of ``root``'s shards, handed ``index`` (checked by
+    :func:`engine._shard_index.checked`) instead of reading ``.metadata`` again."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class Reader(dcp.FileSystemReader):  # DCP's, its index read by _IndexUnpickler
+    class Reader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            index = _index(root)
-            if getattr(index, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-
-                index.storage_meta = StorageMeta()
-            index.storage_meta.load_id = self.load_id
+            index.storage_meta = StorageMeta(load_id=self.load_id)  # no path from the file
             return index
 
     return Reader(root / SHARDS)
@@ -445,21 +430,23 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _read_into(root: Path, targets: dict[str, Tensor]) -> dict[str, Tensor]:
+def _read_into(root: Path, targets: dict[str, Tensor], index: Any) -> dict[str, Tensor]:
     """``dcp.load`` of the verified shards into ``targets`` (no process group, no
-    collective)."""
+    collective), by the checked ``index``; any failure a ``CheckpointError``."""
     import torch.distributed.checkpoint as dcp
 
     if not targets:
         return targets
-    try:
-        with warnings.catch_warnings():  # "assuming ... a single process": what is asked for
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(targets, storage_reader=_reader(root), no_dist=True)
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"{root / SHARDS}: the shards could not be read: {e}") from e
+    with warnings.catch_warnings():  # "assuming ... a single process": what is asked for
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        _shard_index.dcp_call(
+            root,
+            "reading the shards",
+            dcp.load,
+            targets,
+            storage_reader=_reader(root, index),
+            no_dist=True,
+        )
     return targets
 
 
@@ -489,10 +476,10 @@ def _template_leaves(template: TrainState) -> dict[str, Tensor]:
 def read(root: Path, meta: Mapping[str, Any], template: TrainState) -> dict[str, Tensor]:
     """The sharded checkpoint's tensors by key, verified, each read into a tensor like the
     template's (its DTensor's shards, or the full value) — for ``checkpoint.load``."""
-    verify(root, meta)
+    index = verify(root, meta)
     refs = _template_leaves(template)
     targets = {k: _like(refs.get(k), d) for k, d in meta["tensors"].items()}
-    return _read_into(root, targets)
+    return _read_into(root, targets, index)
 
 
 def read_weights(
@@ -500,13 +487,13 @@ def read_weights(
 ) -> dict[str, Tensor]:
     """The parameters and buffers of the sharded checkpoint, gathered in full on this process
     (by name), verified first — for ``load_weights`` and ``export``."""
-    verify(root, meta)
+    index = verify(root, meta)
     targets = {
         k: _like(None, d, devices.get(k))
         for k, d in meta["tensors"].items()
         if k.partition("/")[0] in ("params", "buffers")
     }
-    return {k.partition("/")[2]: t for k, t in _read_into(root, targets).items()}
+    return {k.partition("/")[2]: t for k, t in _read_into(root, targets, index).items()}
 
 
 def placed_like(template: TrainState, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -53,7 +53,7 @@ try:
 except ImportError:  # not POSIX: leftovers cannot be told from saves in progress
     fcntl = None  # type: ignore[assignment]
 
-from engine import _meta, _tree
+from engine import _ckpt_report, _meta, _opt_fit, _tree
 from engine._checksum import (
     _SCHEMES,
     _WRITER,
@@ -77,6 +77,7 @@ from engine._ckpt_files import (
     _flatten,
     _fsync_dir,
     _publish,
+    _read_own,
     _replaceable,
     _short,
     _write_failed,
@@ -687,7 +688,7 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     meta_path = Path(path) / META
     try:
-        raw = meta_path.read_bytes()
+        raw = _read_own(meta_path)  # not through a link out of the checkpoint
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a checkpoint: {META} is missing") from None
     except OSError as e:  # a directory in its place, no permission, an I/O error
@@ -965,8 +966,8 @@ def _assemble(
             if meta.get("weights_only")
             else load_opt_state(template.opt_state, opt)
         )
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"{root}: the optimizer state does not fit: {e}") from e
+    except (KeyError, ValueError) as e:  # another optimizer's state: say whose, and what to do
+        raise _opt_fit.refuse(root, meta, template.opt_state, opt, e) from e
     return template.replace(
         params=params,
         buffers=buffers,
@@ -1034,7 +1035,8 @@ def _shape_of(tree: Any) -> Any:
 
 
 def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A summary of a checkpoint: counters, metrics, sizes, format, and whether it verifies.
+    """A summary of a checkpoint: counters, metrics, sizes, format, what was checked
+    (``checked``), whether it verifies, and what a sharded index holds (``index``).
 
     Example:
         >>> import tempfile, torch
@@ -1066,19 +1068,8 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     }
     info["hparams"] = _hparams_of(meta)
-    info["size_bytes"] = sum(f.stat().st_size for f in root.iterdir() if f.is_file())
-    sharded = meta.get("layout") == _meta.SHARDED
-    info["layout"] = _meta.SHARDED if sharded else "full"
-    info["world_size"] = meta.get("world_size", 1)
-    info["tensors"] = meta.get("tensors") if sharded else None
-    if sharded and (root / _meta.SHARDS).is_dir():
-        shards = root / _meta.SHARDS
-        info["size_bytes"] += sum(f.stat().st_size for f in shards.iterdir() if f.is_file())
-    try:
-        _verify_files(root, meta)
-        info["verified"], info["problem"] = True, None
-    except CheckpointError as e:
-        info["verified"], info["problem"] = False, str(e)
+    # sizes, layout, what was checked and whether it passed, what a sharded index holds
+    info.update(_ckpt_report.inspected(root, meta, _verify_files))
     return info
 
 
@@ -1107,13 +1098,14 @@ def verify(path: str | os.PathLike[str]) -> None:
     _verify_files(root, read_meta(root))
 
 
-def _verify_files(root: Path, meta: Mapping[str, Any]) -> None:
+def _verify_files(root: Path, meta: Mapping[str, Any]) -> Any:
+    """Check every file; a sharded checkpoint's index, checked against meta.json, returned."""
     if meta.get("layout") == _meta.SHARDED:
         from engine import _sharded
 
-        _sharded.verify(root, meta)
-    else:
-        _verified_tensors(root, meta, materialize=False)
+        return _sharded.verify(root, meta)
+    _verified_tensors(root, meta, materialize=False)
+    return None
 
 
 # --------------------------------------------------------------------------- weights for

@@ -115,25 +115,50 @@ def _inspect(args: argparse.Namespace) -> int:
             f"torch {info['torch_version']})"
         )
         if info.get("layout") == "sharded":
-            tensors = info.get("tensors") or {}
-            print(
-                f"layout          sharded over {info['world_size']} ranks "
-                f"(torch.distributed.checkpoint), {len(tensors)} tensors"
-            )
-            for key, d in sorted(tensors.items()):
-                if key.startswith("params/"):
-                    dims = "x".join(map(str, d["shape"])) or "scalar"
-                    placed = ", ".join(d["placements"] or ["the same on every rank"])
-                    print(f"parameter       {key[7:]} {dims} {d['dtype']} ({placed})")
+            _print_sharded(info)
         for k, v in sorted((info["metrics"] or {}).items()):
             print(f"metric          {k} = {v}")
         if info["fingerprint"]:
             print(f"fingerprint     {info['fingerprint']}")
+        for i, what in enumerate(info.get("checked") or []):
+            print(f"{'checked' if i == 0 else '':<16}{what}")
         print(
             "checksums       "
             + ("all verify" if info["verified"] else f"FAILED: {info['problem']}")
         )
     return 0 if info["verified"] else 1
+
+
+def _print_sharded(info: dict) -> None:
+    """The layout, and each parameter as the index holds it (where each chunk lies) beside
+    what meta.json records of it."""
+    from engine._ckpt_report import chunk_text
+
+    tensors = info.get("tensors") or {}
+    index = info.get("index")
+    print(
+        f"layout          sharded over {info['world_size']} ranks "
+        f"(torch.distributed.checkpoint), {len(tensors)} tensors in meta.json"
+    )
+    if index is None:
+        print("index           unreadable (see the checks below)")
+    else:
+        chunks = [c for d in index.values() for c in d["chunks"]]
+        files = sorted({str(c["file"]) for c in chunks})
+        print(
+            f"index           {len(index)} tensors, {len(chunks)} chunks in "
+            f"{len(files)} files ({', '.join(files)})"
+        )
+    for key, d in sorted(tensors.items()):
+        if key.startswith("params/"):
+            dims = "x".join(map(str, d["shape"])) or "scalar"
+            placed = ", ".join(d["placements"] or ["the same on every rank"])
+            print(f"parameter       {key[7:]} {dims} {d['dtype']} ({placed})")
+            held = (index or {}).get(key)
+            if held is not None:
+                where = ", ".join(chunk_text(c) for c in held["chunks"])
+                dims = "x".join(map(str, held["shape"])) or "scalar"
+                print(f"  in the index  {dims} {held['dtype']}: {where}")
 
 
 # errors of reading a run's files that a replay reports in one line (exit 2)

@@ -942,6 +942,7 @@ class Trainer(FlagViews):
             [x for x in self.callbacks if zero or not getattr(x, "rank_zero_only", False)]
         )
         self._checkpointer.writes = zero  # rank 0 writes the replicated state's checkpoints
+        self._checkpointer.optimizer = task.tx  # named in checkpoints, and by a misfit resume
         self._checkpointer.rank, self._checkpointer.world_size = self.global_rank, self.world_size
         stack = contextlib.ExitStack()
         stack.callback(self._unshard)
@@ -1077,6 +1078,7 @@ class Trainer(FlagViews):
             val_loaders = self._prepare_loaders(
                 "val", resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
             )
+        self._strategy.agree_loaders()  # every rank built them alike (one collective)
         self.train_dataloader, self.datamodule = train_loaders[0], datamodule
         if order_outside_the_state(train_loaders[0]):
             warnings.warn(
@@ -1257,6 +1259,7 @@ class Trainer(FlagViews):
             val_loaders = self._prepare_loaders(
                 "val", resolve_loaders("fit", None, dm, "val_dataloader")
             )
+            self._strategy.agree_loaders()
             self.num_val_batches = [
                 limit_batches("val", count_batches(dl), self.limit_val_batches)
                 for dl in val_loaders
@@ -1287,8 +1290,9 @@ class Trainer(FlagViews):
         counted or read (fit's, the validation and training loaders
         ``reload_dataloaders_every_n_epochs`` fetches, validate's, test's and predict's). The
         strategy's seam (a data-parallel one gives each process its shard, in place: put back
-        when the run ends); in one process, or with ``use_distributed_sampler=False``, the
-        loaders as given."""
+        when the run ends, and measures it for ``strategy.agree_loaders()``, which each caller
+        makes once its stages' loaders are ready); in one process, or with
+        ``use_distributed_sampler=False``, the loaders as given."""
         if self._strategy.world_size == 1 or not self.use_distributed_sampler:
             return loaders
         out = [self._strategy.shard(dl, stage) for dl in loaders]
@@ -1360,6 +1364,7 @@ class Trainer(FlagViews):
             "val" if kind == "validation" else "test",
             resolve_loaders(stage, dataloaders, datamodule, method),
         )
+        self._strategy.agree_loaders()
         if not loaders:
             raise ValueError(
                 f"Trainer.{stage}() needs dataloaders= or a datamodule with {method}()"
@@ -1418,6 +1423,7 @@ class Trainer(FlagViews):
         loaders = self._prepare_loaders(
             "predict", resolve_loaders("predict", dataloaders, datamodule, "predict_dataloader")
         )
+        self._strategy.agree_loaders()
         if not loaders:
             raise ValueError(
                 "Trainer.predict() needs dataloaders= or a datamodule with predict_dataloader()"
@@ -1541,8 +1547,11 @@ class _FitRun(_Services):
 
     def reload_train_loader(self, state: TrainState, progress: Progress) -> Any:
         # the datamodule's train_dataloader() again (reload_dataloaders_every_n_epochs)
-        loaders = resolve_loaders("fit", None, self.dm, "train_dataloader")
-        return self.trainer._prepare_loaders("train", loaders)[0]
+        loaders = self.trainer._prepare_loaders(
+            "train", resolve_loaders("fit", None, self.dm, "train_dataloader")
+        )
+        self.trainer._strategy.agree_loaders()
+        return loaders[0]
 
     def step(
         self, state: TrainState, progress: Progress, batch: Any, *, flush: bool

@@ -189,3 +189,22 @@ def test_an_engine_checkpoint_still_inspects(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "all verify" in done.stdout
     assert stat.S_ISDIR(os.stat(tmp_path / "ckpt").st_mode)
+
+
+def test_inspect_says_what_it_checked(tmp_path, capsys):
+    """The checks are named, not only "checksums all verify" (a sharded checkpoint's index and
+    what it holds: tests/test_checkpoint_confined.py)."""
+    ckpt = _checkpoint(tmp_path)
+    info = checkpoint.inspect(ckpt)
+    assert [c.split(":")[0] for c in info["checked"]] == [
+        "meta.json",
+        "files",
+        "sizes",
+        "checksums",
+        "tensors.pt",
+    ]
+    assert info["index"] is None and info["layout"] == "full"
+    assert cli.main(["inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "checked         meta.json: its own checksum, format version and schema" in out
+    assert "weights_only=True" in out and "all verify" in out

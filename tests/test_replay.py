@@ -469,3 +469,30 @@ def test_replay_names_the_step_of_a_non_finite_micro_batch_inside_a_window(tmp_p
     report = eg.replay(trainer.run_dir, trust_code=True)
     assert report.identical and report.first_nonfinite_step == 3, str(report)
     assert not math.isfinite(report.first_nonfinite_loss)
+
+
+def test_an_edited_loss_at_a_step_whose_loss_matched_is_named_once(tmp_path, capsys):
+    """Every step's loss journaled: the line of step 30 edited in its ``loss`` alone (its
+    ``losses`` still hold the true one, which the replay matches). The journal pins the
+    difference to step 30 itself: said once, not as the empty interval (30, 30]."""
+    trainer = _fit(
+        tmp_path, data=_data(40), max_epochs=1, log_every_n_steps=10, accumulate_grad_batches=1
+    )
+    run = Path(trainer.run_dir)
+    path = run / "journal.jsonl"
+    lines = Journal.read(run)
+    line = next(x for x in lines if x.get("step") == 30 and "loss" in x)
+    assert line["losses"][-1] == line["loss"]
+    line["loss"] += 1.0
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report = eg.replay(run, trust_code=True)
+    assert report.divergence is not None and report.divergence.step == 30, str(report)
+    assert report.first_divergent_step == 30
+    text = str(report)
+    assert "first divergence at step 30" in text
+    assert "divergence lies in steps" not in text and "(30, 30]" not in text
+    from engine.cli import main
+
+    assert main(["replay", str(run), "--trust-code"]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence at step 30" in out and "(30, 30]" not in out

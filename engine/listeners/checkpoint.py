@@ -63,7 +63,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from engine import checkpoint
+from engine import _confine, checkpoint
 from engine.events import EventRecord, Listener, RunView, Save
 from engine.listeners.progress import write_message
 from engine.loop import LoopConfig, schedule
@@ -657,7 +657,7 @@ class ModelCheckpoint(Listener):
         resumed = rec.run.ckpt_path
         if resumed is not None and Path(resumed).absolute() == old:
             return False
-        return Path(self.dirpath).absolute() in old.parents
+        return _confine.directly_in(previous, self.dirpath)
 
     # ------------------------------------------------------------------ names
 
@@ -725,6 +725,7 @@ class ModelCheckpoint(Listener):
         """Restore :meth:`state_dict`'s values. If the checkpoint was written for another
         ``dirpath``, only ``best_model_path`` is restored (with a warning), as in Lightning."""
         saved_dir = state.get("dirpath", self.dirpath)
+        state, dropped = _confine.confined(state, saved_dir)
         if saved_dir == self.dirpath:
             self.best_model_score = _opt_float(state.get("best_model_score"))
             self.current_score = _opt_float(state.get("current_score", self.current_score))
@@ -734,6 +735,8 @@ class ModelCheckpoint(Listener):
             self.kth_best_model_path = state.get("kth_best_model_path", self.kth_best_model_path)
             self.kth_value = float(state.get("kth_value", self.kth_value))
             self.last_model_path = state.get("last_model_path", self.last_model_path)
+            if dropped and self.monitor is not None:
+                self._rank()  # the k-th and the best among the paths kept
             if "last_global_step_saved" in state:
                 self._last_global_step_saved = int(state["last_global_step_saved"])
                 self._last_checkpoint_saved = str(state.get("last_checkpoint_saved", ""))

@@ -17,11 +17,13 @@ same ``N`` still share it).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import threading
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from engine._writable import append_whole as _append
@@ -109,6 +111,34 @@ class Logger:
         if isinstance(version, bool) or not isinstance(version, (int, str)):
             raise TypeError(f"adopt(version={version!r}): pass the int or str rank 0 claimed")
         self._version, self._claimed = version, True
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Name this logger in the ``OSError`` a failed write raises (a full disk), which
+        already names the file and says what is wrong."""
+        try:
+            yield
+        except OSError as e:
+            prefix = f"{type(self).__name__}: "
+            text = e.strerror or str(e)
+            if text.startswith(prefix):
+                raise
+            raise OSError(e.errno, prefix + text) from (e.__cause__ or e)
+
+    def _finish(self, status: str, write: Callable[[], None]) -> None:
+        """Run ``write``, :meth:`finalize`'s last writes. After a run that failed or was
+        interrupted, a write that fails too (the disk that failed the run is still full) is a
+        warning: the run's own error is the one the Trainer raises."""
+        try:
+            with self._writing():
+                write()
+        except OSError as e:
+            if status == "success":
+                raise
+            warnings.warn(
+                f"{e.strerror or e} (at the end of a {status} run: its own error follows)",
+                stacklevel=3,
+            )
 
     def _make_dir(self) -> str:
         """:meth:`claim` this run's directory and make sure it exists; returns it."""

@@ -106,18 +106,24 @@ class CSVLogger(Logger):
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Merge ``params`` into the recorded hyperparameters and rewrite ``hparams.yaml``."""
         self.hparams.update(_as_params(params))
-        _write_hparams_yaml(os.path.join(self._make_dir(), self.HPARAMS_FILE), self.hparams)
+        with self._writing():
+            path = os.path.join(self._make_dir(), self.HPARAMS_FILE)
+            _write_hparams_yaml(path, self.hparams)
 
     def save(self) -> None:
         """Write the buffered rows, rewriting the file first if they bring new columns.
 
         Rows are written whole: appended in one write that a failure undoes, or, with a wider
         header, the whole file rewritten beside the old one and renamed over it. A failed write
-        (a full disk) raises an ``OSError`` naming the file; what the file held stays, and the
-        rows stay buffered for the next :meth:`save`.
+        (a full disk) raises an ``OSError`` naming the file and this logger; what the file held
+        stays, and the rows stay buffered for the next :meth:`save`.
         """
         if not self._rows:
             return
+        with self._writing():
+            self._write_rows()
+
+    def _write_rows(self) -> None:
         path = self.metrics_file
         if not self._opened:
             self._make_dir()
@@ -125,7 +131,7 @@ class CSVLogger(Logger):
                 warnings.warn(
                     f"CSVLogger: {path} exists and is being replaced by this run's metrics; "
                     "pass a new version= (or version=None) to keep the old file",
-                    stacklevel=2,
+                    stacklevel=4,  # the caller of save() or log_metrics()
                 )
                 os.remove(path)
             self._opened = True
@@ -146,8 +152,9 @@ class CSVLogger(Logger):
         self._rows = []
 
     def finalize(self, status: str) -> None:
-        """Write what is buffered; the run's status is not recorded in the CSV."""
-        self.save()
+        """Write what is buffered; the run's status is not recorded in the CSV. After a run that
+        failed, a write that fails too is a warning (the run's own error is raised)."""
+        self._finish(status, self.save)
 
 
 def _csv_text(header: list[str], rows: list[dict[str, Any]], *, with_header: bool) -> str:

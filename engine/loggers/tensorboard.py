@@ -5,10 +5,15 @@ Hyperparameters are written for TensorBoard's HParams dashboard: a session-start
 :meth:`TensorBoardLogger.finalize`. No experiment record is written unless metrics are named, so
 TensorBoard lists every scalar of the run as a metric of the session. They are also saved as
 ``hparams.yaml`` next to the event file, as Lightning does.
+
+Events are written on the calling thread (:mod:`engine.loggers._event_file`), not by
+tensorboardX's writer thread, so a write that fails (a full disk) raises an ``OSError`` naming
+the file and the logger instead of hanging the fit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +32,10 @@ class TensorBoardLogger(Logger):
 
     The ``tensorboardX.SummaryWriter`` (:attr:`experiment`) is created at the first write, so
     building the logger touches no files. View with ``tensorboard --logdir <save_dir>``.
+    Its event file is written on the calling thread, ``max_queue`` events at a time and at
+    :meth:`save` / :meth:`finalize`, whole records only: a write that fails (a full disk)
+    raises an ``OSError`` naming the file and this logger, and leaves the events written
+    before readable.
 
     Args:
         save_dir: the directory that holds the experiments.
@@ -34,6 +43,9 @@ class TensorBoardLogger(Logger):
         version: ``None`` (next free ``version_N``), an int ``N`` or a directory name.
         **writer_kwargs: passed to ``tensorboardX.SummaryWriter`` (``flush_secs``,
             ``max_queue``, ...).
+
+    Raises:
+        OSError: from a write that fails, naming the file, this logger and the cause.
 
     Example:
         >>> import tempfile
@@ -65,7 +77,7 @@ class TensorBoardLogger(Logger):
     def experiment(self) -> Any:
         """The ``tensorboardX.SummaryWriter``, created on first use."""
         if self._writer is None:
-            from tensorboardX import SummaryWriter
+            from engine.loggers._event_file import SyncSummaryWriter
 
             kwargs = dict(self._writer_kwargs)
             if self._writers_opened:
@@ -74,7 +86,8 @@ class TensorBoardLogger(Logger):
                 kwargs["filename_suffix"] = (
                     f"{kwargs.get('filename_suffix', '')}.{self._writers_opened}"
                 )
-            self._writer = SummaryWriter(logdir=self._make_dir(), **kwargs)
+            with self._writing():
+                self._writer = SyncSummaryWriter(self._make_dir(), **kwargs)
             self._writers_opened += 1
         return self._writer
 
@@ -85,9 +98,11 @@ class TensorBoardLogger(Logger):
             metrics: metric name (the TensorBoard tag) -> value.
             step: the global step; ``None`` lets TensorBoard use the wall time only.
         """
+        values = {k: _to_float(k, v) for k, v in metrics.items()}
         writer = self.experiment
-        for k, v in metrics.items():
-            writer.add_scalar(k, _to_float(k, v), step)
+        with self._writing():
+            for k, v in values.items():
+                writer.add_scalar(k, v, step)
 
     def log_hyperparams(
         self, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None
@@ -112,29 +127,41 @@ class TensorBoardLogger(Logger):
         metric_values = {k: _to_float(k, v) for k, v in (metrics or {}).items()}
         experiment, session_start, _ = hparams_summary(flat, metric_values)
         writer = self.experiment
-        file_writer = writer._get_file_writer()  # tensorboardX has no public raw-summary API
-        if metric_values:
-            file_writer.add_summary(experiment)
-        file_writer.add_summary(session_start)
-        if metric_values:
-            self.log_metrics(metric_values, 0)
-        _write_hparams_yaml(os.path.join(self.log_dir, self.HPARAMS_FILE), self.hparams)
+        with self._writing():
+            file_writer = writer._get_file_writer()  # tensorboardX has no public raw-summary API
+            if metric_values:
+                file_writer.add_summary(experiment)
+            file_writer.add_summary(session_start)
+            if metric_values:
+                self.log_metrics(metric_values, 0)
+            _write_hparams_yaml(os.path.join(self.log_dir, self.HPARAMS_FILE), self.hparams)
 
     def save(self) -> None:
-        """Flush the event file (events still queued for tensorboardX's writer thread reach
-        the file within ``flush_secs``; :meth:`finalize` writes everything)."""
+        """Write every buffered event to the event file (and ``fsync`` it)."""
         if self._writer is not None:
-            self._writer.flush()
+            with self._writing():
+                self._writer.flush()
 
     def finalize(self, status: str) -> None:
-        """Record the session's end status (for the HParams dashboard), flush and close."""
+        """Record the session's end status (for the HParams dashboard), flush and close.
+
+        The file is closed even when the last write fails; after a run that failed, that
+        failure is a warning (the run's own error is raised)."""
         if self._writer is None:
             return
-        if self.hparams:
-            self._writer._get_file_writer().add_summary(_session_end(status))
-        self._writer.flush()
-        self._writer.close()
-        self._writer = None
+        writer, self._writer = self._writer, None
+
+        def close() -> None:
+            try:
+                if self.hparams:
+                    writer._get_file_writer().add_summary(_session_end(status))
+                writer.close()
+            finally:  # closed whatever failed: close() again only closes what is still open
+                for file_writer in (writer.all_writers or {}).values():
+                    with contextlib.suppress(OSError):
+                        file_writer.close()
+
+        self._finish(status, close)
 
 
 def _session_end(status: str) -> Any:

@@ -103,7 +103,7 @@ def resolve(
     world = cfg.check_strategy(strategy, len(here), num_nodes)
     # a strategy's own config (DeepSpeed's) may set precision, clipping and accumulation
     flags.update(cfg.strategy_flags(strategy, flags, world))
-    plugged = cfg.check_plugins(plugins, flags["precision"], detect_anomaly)
+    plugged = cfg.check_plugins(plugins, flags["precision"], detect_anomaly, world=world)
     precision_name = _precision(flags["precision"], plugged)
     device = here[_local_rank(len(here))] if world > 1 else here[0]
     cfg.check_compile(compile)

@@ -53,6 +53,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from engine import _watchdog
 from engine import step as _step
 from engine.errors import CollectiveError
+from engine.parallel import lengths
 from engine.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from engine.state import TrainState
 from engine.transforms.base import Strategy
@@ -100,6 +101,11 @@ class DDP(Strategy):
         1
     """
 
+    #: whether the evaluation steps are collectives (FSDP's forward gathers the parameters),
+    #: so that every rank must run as many evaluation batches: its evaluation shards are then
+    #: padded (as training's), unless the loader drops its last partial batch
+    evaluates_in_lockstep: bool = False
+
     def __init__(
         self,
         *,
@@ -136,6 +142,9 @@ class DDP(Strategy):
         self.sync_batchnorm = bool(sync_batchnorm)
         self.broadcast_buffers = bool(broadcast_buffers)
         self._joined = False
+        # the loaders shard() took since agree_loaders() last ran, measured before sharding
+        self._measured: list[lengths.Length] = []
+        self._measured_ids: dict[int, lengths.Length] = {}
         # set by reduce (which runs once per optimizer step, inside the update core) and read
         # by the wrap_core wrapper around it: a store only, so a compiled core is not guarded
         # on it
@@ -388,12 +397,29 @@ class DDP(Strategy):
     # ------------------------------------------------------------------ the driver's collectives
 
     def shard(self, loader: Any, stage: str) -> Any:
+        """This rank's shard of ``loader`` (in place), its whole lengths measured first for
+        :meth:`agree_loaders`."""
         world = self.world_size
         if world == 1:
             return loader
         from engine import data
 
-        sharded = data.shard_loader(loader, self.global_rank, world, pad=stage == "train")
+        self._measure(loader, stage)
+        pad = stage == "train" or (
+            self.evaluates_in_lockstep and not getattr(loader, "drop_last", False)
+        )
+        sharded = data.shard_loader(loader, self.global_rank, world, pad=pad)
+        if sharded and pad and stage != "train":
+            # what the padding repeats: samples, or whole batches of a custom batch sampler
+            m = self._measured[-1]
+            n, unit = (
+                (m.samples, "sample")
+                if getattr(loader, "batch_size", None) is not None
+                else (m.batches, "batch")
+            )
+            k = -(n or 0) % world
+            said = f"{k} {unit}{'es' if unit == 'batch' else 's'}" if k > 1 else f"{k} {unit}"
+            self._measured[-1] = m._replace(repeated=said if k else "")
         if not sharded and not _already_sharded(loader):
             warnings.warn(
                 f"DDP: the {stage} loader {type(loader).__name__} cannot be sharded (an "
@@ -403,6 +429,35 @@ class DDP(Strategy):
                 stacklevel=3,
             )
         return loader
+
+    def _measure(self, loader: Any, stage: str) -> None:
+        index = sum(1 for x in self._measured if x.stage == stage)
+        # a loader given for two stages is measured once, before either shard
+        first = self._measured_ids.get(id(loader))
+        length = (
+            lengths.measure(loader, stage, index)
+            if first is None
+            else first._replace(stage=stage, idx=index)
+        )
+        self._measured_ids.setdefault(id(loader), length)
+        self._measured.append(length)
+
+    def agree_loaders(self) -> None:
+        """Every rank's measures of the loaders :meth:`shard` took since the last call,
+        gathered in one collective (``all_gather_object``; on every rank, even one that took
+        none); a ``ValueError`` on every rank, naming each loader and each rank's lengths,
+        when they differ (:mod:`engine.parallel.lengths`)."""
+        mine, self._measured, self._measured_ids = self._measured, [], {}
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        message = lengths.disagreement(gathered)
+        if message is not None:
+            raise ValueError(f"{type(self).__name__}: {message}")
+        message = lengths.repeated(gathered, dist.get_world_size())
+        if message is not None and dist.get_rank() == 0:
+            warnings.warn(f"{type(self).__name__}: {message}", stacklevel=3)
 
     def agree(self, flags: Sequence[bool]) -> tuple[bool, ...]:
         if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -139,6 +139,8 @@ class FSDP(DDP):
         ValueError: FSDP(sharding_strategy='NO_SHARD') shards nothing: use strategy='ddp' ...
     """
 
+    evaluates_in_lockstep = True  # every forward gathers the parameters
+
     def __init__(
         self,
         *,

@@ -154,6 +154,8 @@ class Strategy(Transform):
     ``setup()``               join the process group (idempotent); ``teardown()`` leaves it
     ``shard(loader, stage)``  this rank's part of a loader (``"train"``, ``"val"``, ``"test"``,
                               ``"predict"``); the loader itself for one process
+    ``agree_loaders()``       the loaders ``shard`` took since the last call measured alike
+                              on every rank (one collective), else an error on every rank
     ``agree(flags)``          each flag true on any rank, for every rank (one collective): the
                               loop's stop and signal checks
     ``broadcast(obj)``        rank 0's object on every rank (directory and version names)
@@ -229,6 +231,12 @@ class Strategy(Transform):
     def shard(self, loader: Any, stage: str) -> Any:
         """This rank's part of ``loader`` for ``stage``."""
         return loader
+
+    def agree_loaders(self) -> None:
+        """Check that every rank built the loaders :meth:`shard` took since the last call
+        alike (their samples and batches), before any step reads them: a data-parallel
+        strategy raises on every rank when they differ. Called once a stage's loaders are
+        ready, on every rank alike."""
 
     def agree(self, flags: Sequence[bool]) -> tuple[bool, ...]:
         """Each flag, true if it is true on any rank."""

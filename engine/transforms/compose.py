@@ -138,8 +138,8 @@ def compose(
 def _check_privacy(privacy: Transform, stages: list[Transform | None]) -> None:
     """A privacy transform replaces the gradient computation: nothing inside it may wrap the
     gradient computation (it would be skipped), nothing outside it may wrap the forward pass
-    (its per-example losses do not run through that forward), and it runs in one process (each
-    rank would add the whole noise: the average's would be too small by sqrt(world_size))."""
+    (its per-example losses do not run through that forward), and it runs in one process
+    (:func:`one_process_only` says why)."""
     if not isinstance(privacy, Transform):
         raise TypeError(
             f"compose(privacy={privacy!r}): pass an engine.transforms.Transform such as "
@@ -162,10 +162,24 @@ def _check_privacy(privacy: Transform, stages: list[Transform | None]) -> None:
     strategy = stages[3]
     if isinstance(strategy, Strategy) and strategy.world_size > 1:
         raise ValueError(
-            f"compose(privacy={privacy!r}, strategy={strategy!r}): DP-SGD runs in one process "
-            f"(world_size={strategy.world_size}): every rank would add the whole noise and "
-            "the average's would be too small; train it with one process"
+            f"compose(privacy={privacy!r}, strategy={strategy!r}): "
+            + one_process_only(strategy.world_size)
         )
+
+
+def one_process_only(world: int) -> str:
+    """Why DP-SGD refuses a run of ``world`` > 1 processes, and what to do instead."""
+    return (
+        f"DP-SGD runs in one process and this run has {world}: each rank would add the full "
+        "noise N(0, (noise_multiplier * max_grad_norm)^2) to its own clipped sum (a draw of "
+        "its own), so the ranks' averaged gradient would carry sqrt(world_size) = "
+        f"sqrt({world}) times the noise DP-SGD calibrates for the global batch, and "
+        "engine.privacy.epsilon() would account for a mechanism that never ran. Train it on "
+        "one process (devices=1, strategy='auto'); for a larger batch per "
+        "optimizer step use accumulate_grad_batches (the noise is added once per step, "
+        "expected_batch_size is the whole window's) and DPSGD(chunk_size=...) to bound the "
+        "memory of the per-example gradients"
+    )
 
 
 def _reducing(update_fn: UpdateFn, reducers: tuple[Callable[[Any], Any], ...]) -> UpdateFn:

@@ -53,8 +53,9 @@ def available_accelerators() -> list[str]:
     return [*found, "cpu"]
 
 
-def _indices(devices: Any) -> list[int] | int | None:
-    """``devices`` as a list of indices, a count, or ``None`` for "auto"/-1 ("all")."""
+def _indices(devices: Any, name: str) -> list[int] | int | None:
+    """``devices`` as a list of indices, a count, or ``None`` for "auto"/-1 ("all"); a value
+    of none of these is refused with what accelerator ``name`` takes."""
     if isinstance(devices, str):
         text = devices.strip()
         if text == "auto" or text == "-1":
@@ -78,9 +79,23 @@ def _indices(devices: Any) -> list[int] | int | None:
         and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in devices)
     ):
         return list(devices)
-    raise ValueError(
-        f"Trainer(devices={devices!r}): pass 1, 'auto', -1, a list of one device index such as "
-        "[0], or a string such as '0,'"
+    raise ValueError(f"Trainer(devices={devices!r}): {_takes(name)}")
+
+
+def _takes(name: str) -> str:
+    """What ``devices`` may be on accelerator ``name`` (``"cpu"``, ``"cuda"``, ``"mps"``)."""
+    if name == "cuda":
+        return (
+            f"on CUDA pass a number of GPUs from 1 to {max(_cuda_count(), 1)} (one process "
+            "each: more than one needs strategy='ddp' or 'fsdp', or 'auto'), -1 for every GPU, "
+            "'auto' for one, or their indices such as [0, 1] or '0,1'"
+        )
+    if name == "mps":
+        return "MPS is one device: pass 1, 'auto', -1 or [0]"
+    return (
+        "on the CPU pass a number of processes N >= 1 "
+        "(N > 1 trains data parallel: strategy='ddp', 'fsdp' or 'auto'), 'auto' or -1 for "
+        "one process, or [0] / '0,'"
     )
 
 
@@ -136,12 +151,16 @@ def resolve_devices(accelerator: Any = "auto", devices: Any = "auto") -> tuple[t
             f"Trainer(accelerator={accelerator!r}): accepted values are "
             f"{', '.join(map(repr, ACCELERATORS))}"
         )
-    wanted = _indices(devices)
     if name == "auto":
         name = "cuda" if _cuda_count() else "mps" if _mps() else "cpu"
     if name == "gpu":
         name = "cuda" if _cuda_count() or not _mps() else "mps"
     found = ", ".join(available_accelerators())
+    if name == "mps" and not _mps():
+        raise ValueError(
+            f"Trainer(accelerator={accelerator!r}): MPS is not available; this machine has: "
+            f"{found}. Pass accelerator='cpu' or 'auto'"
+        )
     if name == "cuda":
         count = _cuda_count()
         if count == 0:
@@ -150,6 +169,7 @@ def resolve_devices(accelerator: Any = "auto", devices: Any = "auto") -> tuple[t
                 f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); this machine "
                 f"has: {found}. Pass accelerator='cpu' or 'auto'"
             )
+        wanted = _indices(devices, name)  # what CUDA takes, once there is one
         if wanted is None:  # "auto": one; -1: all
             n = count if devices in (-1, "-1") else 1
             return tuple(torch.device("cuda", i) for i in range(n))
@@ -169,11 +189,7 @@ def resolve_devices(accelerator: Any = "auto", devices: Any = "auto") -> tuple[t
                     f"machine has: {found}"
                 )
         return tuple(torch.device("cuda", i) for i in wanted)
-    if name == "mps" and not _mps():
-        raise ValueError(
-            f"Trainer(accelerator={accelerator!r}): MPS is not available; this machine has: "
-            f"{found}. Pass accelerator='cpu' or 'auto'"
-        )
+    wanted = _indices(devices, name)
     if name == "mps" and (
         (isinstance(wanted, int) and wanted > 1) or (isinstance(wanted, list) and len(wanted) > 1)
     ):
