@@ -6,7 +6,8 @@ Two objects the Trainer holds, neither of which reads the Trainer: a :class:`Che
 is handed everything else it needs on each call, the run's position as a :class:`RunRecord`
 (the last ``state`` / ``progress`` the fit loop, :mod:`engine.loop.fit`, handed the Trainer,
 the stage, the config and the metrics) and the Trainer's own steps (announcing a save, saving)
-as functions; a :class:`SignalCatcher` keeps the signal received during a fit.
+as functions; a :class:`~engine._signals.SignalCatcher` (its own module) keeps the signal
+received during a fit.
 """
 
 from __future__ import annotations
@@ -14,18 +15,16 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
-import sys
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple
 
-from engine import _opt_fit, checkpoint
+from engine import _opt_fit, _watchdog, checkpoint
+from engine._signals import SignalCatcher as SignalCatcher  # the Trainer's, re-exported
 from engine.events import Save
 from engine.loop import LoopConfig
 from engine.loop.progress import Progress
@@ -509,75 +508,6 @@ def _settle(listener: Any, path: Any, error: BaseException | None) -> None:
         settled(os.fspath(path), error)
 
 
-class SignalCatcher:
-    """SIGTERM and SIGINT during a fit: ``received`` records the signal, and the loop, at its
-    next check, saves a checkpoint and exits (:meth:`stop`)."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-
-    @contextlib.contextmanager
-    def catching(self) -> Iterator[None]:
-        """During fit, SIGTERM and SIGINT only raise a flag, checked after each training batch
-        (with its validation) and after each epoch's end: there the loop saves a checkpoint and
-        exits (see :meth:`stop`). One that comes later, once the last epoch has ended, finds the
-        fit finished: it returns, saying so on stderr (:meth:`report_late`)."""
-        self.received = None
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers can only be installed from the main thread
-            return
-
-        def handler(signum: int, frame: Any) -> None:
-            if self.received is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt  # a second Ctrl-C: stop now
-            self.received = signum
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
-    def stop(
-        self,
-        state: TrainState,
-        root: str,
-        save: Callable[[Path], Any],
-        barrier: Callable[[], None] = lambda: None,
-    ) -> NoReturn:
-        """Save ``state``'s run with ``save`` (the Trainer's ``save_checkpoint``) under
-        ``root``'s ``checkpoints``, say where on stderr, and exit as the signal asks; with
-        several ranks, each exits once every rank is past the save (``barrier``), so no launcher
-        ends rank 0's write by seeing another rank exit first."""
-        assert self.received is not None
-        name = signal.Signals(self.received).name
-        path = save(Path(root) / "checkpoints" / f"interrupted-step={state.step}")
-        barrier()
-        message = (
-            f"{name} received: finished step {state.step} (epoch {state.epoch}, "
-            f"batch {state.batch_idx}), saved a checkpoint to {path}; resume exactly with "
-            f"Trainer.fit(..., ckpt_path={str(path)!r}) or ckpt_path='last'"
-        )
-        print(message, file=sys.stderr)
-        if self.received == signal.SIGINT:
-            raise KeyboardInterrupt(message)
-        raise SystemExit(message)
-
-    def report_late(self, step: int, epoch: int) -> None:
-        """A signal that came after the last check of the fit (in ``on_train_end``,
-        ``on_fit_end`` or teardown): training had finished, so the fit returns its final
-        state; say so, since the signal asked for an end that had already come."""
-        assert self.received is not None
-        name = signal.Signals(self.received).name
-        print(
-            f"{name} received after the last training step: the fit had finished (step "
-            f"{step}, epoch {epoch}) and returns its final state; no "
-            "interrupted checkpoint was needed",
-            file=sys.stderr,
-        )
-
-
 def _recency(path: Path) -> tuple[int, int, float]:
     """Newest first: the step, then when the checkpoint says it was saved (nanoseconds: two
     checkpoints of one step are milliseconds apart), then the directory's mtime. Raises
@@ -645,7 +575,8 @@ def gather_to_rank_zero(sums: Mapping[str, Any]) -> list[dict[str, Any]]:
             tensors = [sums[n].detach() for n in names]
             flat = _flatten_dense_tensors(tensors)
             bins = [torch.empty_like(flat) for _ in range(world)] if rank == 0 else None
-            dist.gather(flat, bins, dst=0)
+            with _watchdog.guard("the gathering of every rank's partial gradient sums"):
+                dist.gather(flat, bins, dst=0)
             if bins is None:
                 continue
             for r in range(1, world):

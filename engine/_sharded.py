@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from engine import _meta, _shard_index
+from engine import _meta, _shard_index, _watchdog
 from engine._checksum import _checksum, _start_checksum
 from engine._ckpt_files import (
     META,
@@ -126,7 +126,8 @@ def _exchange(collective: Any, target: Path, stage: str, *args: Any, **kwargs: A
     """``collective(*args, **kwargs)``; a rank that died or left (its connection closed) fails
     the save here, with a ``CheckpointError``, instead of a backend's ``RuntimeError``."""
     try:
-        collective(*args, **kwargs)
+        with _watchdog.guard(f"the sharded save's exchange {stage} ({target})"):
+            collective(*args, **kwargs)
     except Exception as e:
         raise CheckpointError(
             f"the sharded save of {target} failed {stage}: another rank stopped answering "
@@ -214,7 +215,7 @@ def _side_group() -> Any:
     writes' collectives never interleave with the training's on the default group."""
     world = dist.distributed_c10d._get_default_group()
     if not _SIDE or _SIDE[0] is not world:
-        _SIDE[:] = [world, dist.new_group(backend="gloo")]
+        _SIDE[:] = [world, dist.new_group(backend="gloo", timeout=_watchdog.timeout())]
     return _SIDE[1]
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -1041,8 +1040,9 @@ class Trainer(FlagViews):
         in the process group the strategy joins."""
         launcher = None if self._inside_launch else self._strategy.launcher
         if launcher is None:
-            self._strategy.setup()
-            return getattr(self, entry)(*args)
+            with self._signals.catching(entry == "_fit_entry"):  # from before the rendezvous
+                self._strategy.setup()
+                return getattr(self, entry)(*args)
         return launcher.launch(_launched, self, entry, args)
 
     def _fit_entry(
@@ -1116,7 +1116,7 @@ class Trainer(FlagViews):
         if state._ownership.consumed_by == "train_step":
             state._ownership.consumed_by = "Trainer.fit"  # its error says what to use instead
         assert self._state is not None
-        if self._signals.received is not None:  # after the last epoch's end: nothing to stop
+        if self._signals.came:  # after the last epoch's end: nothing to stop
             self._signals.report_late(self.global_step, self.current_epoch)
         return self._state
 
@@ -1453,8 +1453,9 @@ def _launched(trainer: Trainer, entry: str, args: tuple[Any, ...]) -> Any:
     it joins the run's process group and runs, without launching again."""
     trainer._inside_launch = True
     try:
-        trainer._strategy.setup()
-        out = getattr(trainer, entry)(*args)
+        with trainer._signals.catching(entry == "_fit_entry"):  # from before the rendezvous
+            trainer._strategy.setup()
+            out = getattr(trainer, entry)(*args)
         if isinstance(out, TrainState) and os.environ.get(LAUNCHED_BY_VAR, "").startswith("spawn:"):
             # the caller of a spawned run has no process group to hold shards in: every rank
             # gathers, and rank 0's whole state goes back
@@ -1613,12 +1614,10 @@ class _FitRun(_Services):
         return reducer.epoch_logged(self.trainer._strategy.sync)
 
     def agree(self, state: TrainState, progress: Progress) -> Progress:
-        if not self.several:
-            return progress
         t = self.trainer
-        stop, signalled = t._strategy.agree((progress.should_stop, t._signals.received is not None))
-        if signalled and t._signals.received is None:  # another rank's: stop with it
-            t._signals.received = signal.SIGTERM
+        flags = (progress.should_stop, t._signals.offer())  # read once, before the collective
+        stop, signalled = t._strategy.agree(flags) if self.several else flags
+        t._signals.settle(signalled)  # every rank acts on what the ranks agreed, nothing later
         if stop != progress.should_stop:
             progress = progress._replace(should_stop=stop)
             t._progress = progress
@@ -1628,7 +1627,7 @@ class _FitRun(_Services):
     def check(self, state: TrainState, progress: Progress) -> Progress:
         progress = self.agree(state, progress)
         t = self.trainer
-        if t._signals.received is not None:
+        if t._signals.agreed is not None:
             t._state, t._progress = state, progress
             t._signals.stop(state, t.default_root_dir, t.save_checkpoint, t._strategy.barrier)
         return progress

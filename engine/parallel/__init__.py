@@ -10,8 +10,11 @@ that say who each process is, and the launchers that start them.
   equivalents (Lightning's ``strategy="deepspeed_stage_*"`` names).
 * :class:`SyncBatchNorm` / :func:`convert_sync_batchnorm`: batch norm with the statistics of
   every rank's batch, on the CPU too (``DDP(sync_batchnorm=True)`` converts a model's).
+* :class:`CollectiveError`: one of engine's collectives failed (a rank did not join it within
+  the strategy's ``timeout``, or died); it names the collective and the ranks.
 """
 
+from engine.errors import CollectiveError
 from engine.parallel.ddp import DDP
 from engine.parallel.deepspeed import DeepSpeedStrategy
 from engine.parallel.fsdp import FSDP, full_state
@@ -21,6 +24,7 @@ from engine.transforms.common import SingleProcess
 
 __all__ = [
     "DDP",
+    "CollectiveError",
     "DeepSpeedStrategy",
     "FSDP",
     "SingleProcess",

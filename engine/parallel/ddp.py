@@ -38,6 +38,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -49,7 +50,9 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from engine import _watchdog
 from engine import step as _step
+from engine.errors import CollectiveError
 from engine.parallel import lengths
 from engine.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from engine.state import TrainState
@@ -68,7 +71,14 @@ class DDP(Strategy):
             from the variables torchrun or SLURM set, else the Trainer's own launch.
         backend: ``"gloo"`` (the default on the CPU) or ``"nccl"`` (on CUDA).
         timeout: how long a collective may wait for the other ranks before it fails (a rank
-            that died or hangs): default 30 minutes, as torch's.
+            that died or hangs): seconds or a ``datetime.timedelta``, default 30 minutes (as
+            torch's and Lightning's). It bounds every collective (the process group's), so it
+            must exceed the longest legitimate wait: a step, or rank 0 writing a checkpoint
+            while the others wait at the next check. When one of engine's own collectives
+            (the loop's agreements, barriers, broadcasts, the metrics' reductions, a sharded
+            save's exchanges) fails or waits that long, every rank's Python stacks go to
+            stderr and a :class:`~engine.errors.CollectiveError` names it and the ranks that
+            did not join (``engine._watchdog``).
         bucket_cap_mb: the size of each flattened gradient bucket (25 MiB, DDP's default).
         find_unused_parameters: accepted for Lightning's flag; every parameter's gradient is
             always reduced (one without a path to the loss has a zero gradient), so nothing has
@@ -119,13 +129,11 @@ class DDP(Strategy):
             raise ValueError(
                 f"DDP(start_method={start_method!r}): pass 'popen', 'spawn', 'fork' or 'forkserver'"
             )
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = datetime.timedelta(seconds=float(timeout))
-        if timeout is not None and not isinstance(timeout, datetime.timedelta):
-            raise TypeError(f"DDP(timeout={timeout!r}): pass a datetime.timedelta or seconds")
+        owner = type(self).__name__
         self.environment = environment
         self.backend = backend
-        self.timeout = timeout
+        #: how long a collective waits for the other ranks (see the class's ``timeout``)
+        self.timeout: datetime.timedelta = _watchdog.check_timeout(owner, timeout)
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.start_method = start_method
@@ -257,11 +265,10 @@ class DDP(Strategy):
                     f"{self.environment.world_size()}, rank {self.environment.global_rank()}"
                 )
             self._joined = True
+            _watchdog.start(self.timeout)  # its own timeout bounds the waits; we watch them
             return
         env = self.environment
-        kwargs: dict[str, Any] = {}
-        if self.timeout is not None:
-            kwargs["timeout"] = self.timeout
+        kwargs: dict[str, Any] = {"timeout": self.timeout}
         if env is not None:
             kwargs.update(
                 init_method=f"tcp://{_host(env.main_address)}:{int(env.main_port)}",
@@ -270,9 +277,37 @@ class DDP(Strategy):
             )
         else:
             kwargs["init_method"] = "env://"
-        dist.init_process_group(self._backend(), **kwargs)
+        start = time.monotonic()
+        try:
+            dist.init_process_group(self._backend(), **kwargs)
+        except dist.DistError as e:  # the rendezvous's store: refused, or timed out
+            raise self._rendezvous_failed(kwargs, time.monotonic() - start, e) from e
         atexit.register(_destroy)
         self._joined = True
+        _watchdog.start(self.timeout)
+
+    def _rendezvous_failed(
+        self, kwargs: dict[str, Any], waited: float, cause: BaseException
+    ) -> CollectiveError:
+        """The error of a rendezvous that did not complete within the timeout: who waited
+        for whom, where."""
+        where = kwargs["init_method"]
+        if where == "env://":
+            where = f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        rank, world = self.global_rank, self.world_size
+        who = (
+            "the other ranks did not all join"
+            if rank == 0
+            else "rank 0, which holds the rendezvous, did not answer"
+        )
+        first = (str(cause).strip().splitlines() or [""])[0]
+        return CollectiveError(
+            f"joining the process group at {where} failed on rank {rank} of {world} after "
+            f"{waited:.1f} s (timeout {self.timeout.total_seconds():g} s): {who} (dead, not "
+            f"started yet, or given another address, port or world size); cause: "
+            f"{type(cause).__name__}: {first[:300]}. Every rank must start and reach the "
+            "Trainer's call within the timeout (DDP(timeout=...))"
+        )
 
     def teardown(self) -> None:
         """Kept joined: a process's later ``validate`` / ``test`` runs reuse the group; it is
@@ -296,7 +331,7 @@ class DDP(Strategy):
             )
             if isinstance(t, Tensor)
         ]
-        with torch.no_grad():
+        with torch.no_grad(), _watchdog.guard("the broadcast of rank 0's state (prepare)"):
             for bucket in _buckets(tensors, self.bucket_cap_mb):
                 flat = _flatten_dense_tensors(bucket)
                 dist.broadcast(flat, src=0)
@@ -429,23 +464,26 @@ class DDP(Strategy):
             return tuple(bool(f) for f in flags)
         t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
         t = t.to(self._collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return tuple(bool(v) for v in t.tolist())
+        with _watchdog.guard("the agreement on stopping (a check of the loop)"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return tuple(bool(v) for v in t.tolist())
 
     def broadcast(self, obj: _T) -> _T:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, device=self._collective_device())
+        with _watchdog.guard("a broadcast of rank 0's value"):
+            dist.broadcast_object_list(box, src=0, device=self._collective_device())
         return box[0]
 
     def barrier(self) -> None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        if self._backend() == "nccl":
-            dist.barrier(device_ids=[self._collective_device().index or 0])
-        else:
-            dist.barrier()
+        with _watchdog.guard("a barrier (every rank waits for the others)"):
+            if self._backend() == "nccl":
+                dist.barrier(device_ids=[self._collective_device().index or 0])
+            else:
+                dist.barrier()
 
     @property
     def sync(self) -> Any:
@@ -512,6 +550,7 @@ def _host(address: str) -> str:
 
 
 def _destroy() -> None:
+    _watchdog.stop()
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # at exit, a peer may be gone already
             dist.destroy_process_group()

@@ -43,6 +43,7 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
+from engine.errors import CollectiveError
 from engine.parallel import environments as _environments
 from engine.parallel.environments import LAUNCHED_BY_VAR, ClusterEnvironment, find_free_port
 
@@ -92,6 +93,8 @@ def _is_communication_error(error: BaseException) -> bool:
     a consequence, when a child has just died, not a cause."""
     dist_error = getattr(torch.distributed, "DistError", None)
     if dist_error is not None and isinstance(error, dist_error):
+        return True
+    if isinstance(error, CollectiveError):  # one of engine's collectives: a peer did not join
         return True
     if not isinstance(error, RuntimeError):
         return False
