@@ -123,8 +123,9 @@ def _env() -> dict[str, str]:
         "TORCHELASTIC_RUN_ID",
     ):
         env.pop(k, None)
-    # the ranks share one stdout pipe: unbuffered (as CI's environment may be), print's pieces
-    # from two ranks interleave mid-line; buffered, each flushed line is one write
+    # the ranks share one stdout pipe: unbuffered, print's pieces from two ranks interleave
+    # mid-line; buffered, each flushed line is one write. (torchrun starts its workers with
+    # python -u whatever this says: parse their output by whole strings, not by lines)
     env.pop("PYTHONUNBUFFERED", None)
     return env
 

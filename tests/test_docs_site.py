@@ -199,7 +199,10 @@ def test_every_python_block_of_a_page_runs(page, tmp_path):
     if page.name == "averaging.md":
         assert printed.split()[-1] == "4"  # after the model summaries
     if page.name == "distributed.md":
-        assert "24" in printed.split() and sorted(printed.split()[-4:]) == ["0", "1", "4", "4"]
+        # torchrun starts its workers unbuffered (python -u): print's text and its newline are
+        # two writes, so the ranks' lines may interleave at the newlines, never inside the text
+        assert "24" in printed.split()  # the ddp_spawn caller's, alone
+        assert "rank 0: step 4" in printed and "rank 1: step 4" in printed
 
 
 def _engine_help(sub: str) -> str:
