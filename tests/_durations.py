@@ -247,8 +247,14 @@ class _Recorder:
             "tests": list(self.tests.values()),
         }
         tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
+        if str(self.path).endswith(".gz"):  # the one kept in the repository: ~190 KB, not 1.7 MB
+            import gzip
+
+            with gzip.open(tmp, "wt") as f:
+                json.dump(data, f, separators=(",", ":"))
+        else:
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=1)
         os.replace(tmp, self.path)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:

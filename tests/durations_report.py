@@ -2,7 +2,7 @@
 
     python tests/durations_report.py [PATH] [--top N] [--files N]
 
-PATH defaults to tests/durations.json (the measurement kept in the repository). It prints the
+PATH defaults to tests/durations.json.gz (the measurement kept in the repository). It prints the
 session's total, the time by cause across the suite, the slowest N tests (30) with their cause
 split, and the time per test file, slowest first, with its fresh interpreters and rank launches.
 The causes and what each counts are described in tests/_durations.py.
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-DEFAULT = Path(__file__).with_name("durations.json")
+DEFAULT = Path(__file__).with_name("durations.json.gz")
 CAUSES = ("ranks", "interpreter", "process", "compile", "lightning", "own")
 SHORT = {"ranks": "ranks", "interpreter": "interp", "process": "proc", "compile": "compile"}
 SHORT |= {"lightning": "lightn", "own": "own"}
@@ -25,8 +25,14 @@ SHORT |= {"lightning": "lightn", "own": "own"}
 
 def load(path: str | Path) -> dict[str, Any]:
     """The measurement in ``path``, as the plugin wrote it."""
+    if str(path).endswith(".gz"):
+        import gzip
+
+        with gzip.open(path, "rt") as f:
+            data: dict[str, Any] = json.load(f)
+        return data
     with open(path) as f:
-        data: dict[str, Any] = json.load(f)
+        data = json.load(f)
     return data
 
 
