@@ -1,3 +1,4 @@
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,3 +29,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs), where the machine allows ``mount`` (a full disk for
+    the save-failure tests); skipped, saying why, where it does not."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot run mount: {e}")
+    if done.returncode != 0:
+        pytest.skip(f"mount -t tmpfs refused here: {done.stderr.strip() or done.returncode}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)

@@ -214,28 +214,6 @@ def test_a_synchronous_save_on_a_full_disk_is_a_checkpoint_error_not_torchs_runt
 # ----------------------------------------------------------------- a full disk, for real
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A real 1 MiB file system (tmpfs), where the machine allows ``mount``."""
-    where = tmp_path / "disk"
-    where.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot run mount: {e}")
-    if done.returncode != 0:
-        pytest.skip(f"mount -t tmpfs refused here: {done.stderr.strip() or done.returncode}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
-
-
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_top_k_saves_on_a_real_full_disk_fail_the_fit_and_name_only_what_landed(
     tmp_path, tiny_disk, asynchronous

@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,28 +82,6 @@ def _assert_full_everywhere(results: list[dict], disk: Path) -> None:
     assert _listing(disk) == ["c"]  # no temporary directory, no lock, nothing named d
     checkpoint.verify(disk / "c")
     _bitwise(_plain(checkpoint.load(disk / "c", _full_state(seed=5))), _plain(_full_state()))
-
-
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A real 1 MiB file system (tmpfs), where the machine allows ``mount``."""
-    where = tmp_path / "disk"
-    where.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot run mount: {e}")
-    if done.returncode != 0:
-        pytest.skip(f"mount -t tmpfs refused here: {done.stderr.strip() or done.returncode}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def test_a_real_full_disk_fails_sync_and_async_sharded_saves_on_every_rank(tiny_disk):
