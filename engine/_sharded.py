@@ -89,7 +89,7 @@ def _agree(error: BaseException | None, target: Path, stage: str, group: Any = N
     one on every rank, naming the rank), then this rank's own error."""
     world = dist.get_world_size()
     told: list[Any] = [None] * world
-    mine = None if error is None else f"{type(error).__name__}: {error}"
+    mine = None if error is None else _shard_index.one_line(error)  # never a nested traceback
     # an OSError's errno travels with it: a full disk is called one on every rank
     number = error.errno if isinstance(error, OSError) else None
     _exchange(dist.all_gather_object, target, stage, told, (mine, number), group=group)

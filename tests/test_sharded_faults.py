@@ -51,11 +51,9 @@ def _listing(directory: Path) -> list[str]:
 # --------------------------------------------------------------------------- a full disk
 
 
-def _fill_the_disk(rank: int, disk: str) -> dict:
-    """Save a small state at c; then a big one at c (a replacement) and at d (a new name),
-    synchronously and in the background: what each rank heard."""
-    mesh = _init()
-    checkpoint.save(_shard(_full_state(), mesh), f"{disk}/c")
+def _save_big(mesh, disk) -> dict:
+    """A big state saved at c (a replacement) and at d (a new name), synchronously and in the
+    background: what this rank heard of each save."""
     said = {}
     for mode in ("sync", "async"):
         for name in ("c", "d"):
@@ -68,6 +66,14 @@ def _fill_the_disk(rank: int, disk: str) -> dict:
             except CheckpointError as e:
                 said[mode, name] = str(e)
     return said
+
+
+def _fill_the_disk(rank: int, disk: str) -> dict:
+    """Save a small state at c; then a big one at c (a replacement) and at d (a new name),
+    synchronously and in the background: what each rank heard."""
+    mesh = _init()
+    checkpoint.save(_shard(_full_state(), mesh), f"{disk}/c")
+    return _save_big(mesh, disk)
 
 
 def _assert_full_everywhere(results: list[dict], disk: Path) -> None:
@@ -128,18 +134,7 @@ def _injected(rank: int, disk: str, where: str) -> dict:
             return open(file, mode, *args, **kwargs)
 
         _sharded.open = full_open  # type: ignore[attr-defined]  # the module's own open
-    said = {}
-    for mode in ("sync", "async"):
-        for name in ("c", "d"):
-            try:
-                if mode == "sync":
-                    checkpoint.save(_big(mesh), f"{disk}/{name}")
-                else:
-                    checkpoint.save_async(_big(mesh), f"{disk}/{name}").result(TIMEOUT)
-                said[mode, name] = "saved"
-            except CheckpointError as e:
-                said[mode, name] = str(e)
-    return said
+    return _save_big(mesh, disk)
 
 
 @pytest.mark.parametrize("where", ["shards", "meta"])
