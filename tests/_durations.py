@@ -17,9 +17,11 @@ a compile inside a Lightning fit in the test's own process is the compile's.
 - ``interpreter``: a fresh Python interpreter, from its start until the test reaps it: a
   ``subprocess`` child whose argv runs Python (``sys.executable``, ``python*``, a script with a
   Python ``#!`` line such as ``.venv/bin/engine``), or a ``multiprocessing`` process of the
-  spawn/forkserver method (start until a ``join`` sees it ended). While a child lives the test
+  spawn method (start until a ``join`` sees it ended). While a child lives the test
   is taken to wait on it (reading its output, polling, sleeping), so parent work done alongside
   a child counts as the child's.
+- ``forked``: a ``multiprocessing`` process of the forkserver method: the suite's fork server
+  (``_procs``), which imported torch and engine once, forks it (a new process, no import).
 - ``process``: any other child: a program that is not Python (``make``, ``git``, a shell
   script), or a forked ``multiprocessing`` process (no fresh import).
 - ``compile``: inside ``torch.compile``'s compilation, as torch reports it through
@@ -39,10 +41,10 @@ It wraps only these entry points, once per process, at the class level (``Popen.
 Lightning is imported; ``run_ranks``, when ``_ranks`` is imported), so a test that monkeypatches
 ``subprocess.run`` or ``subprocess.Popen`` still gets its own fake; the wrappers are plain calls
 and two clock reads, and they are removed when the session ends. Each record also carries
-counts: fresh interpreters, rank launches and their processes, other processes, compiles,
-Lightning runs. Under pytest-xdist the workers measure and send their records with the test
-reports, and the controller writes the file (written for it, not yet tried: xdist is not
-installed here).
+counts: fresh interpreters, forked processes, rank launches and their processes, other
+processes, compiles, Lightning runs. Under pytest-xdist the workers measure and send their
+records with the test reports, and the controller writes the file (written for it, not yet
+tried: xdist is not installed here).
 
 The file: ``session_s`` (from pytest's configure to the end), ``collection_s``, ``collected`` /
 ``selected`` / ``deselected``, ``cpus``, ``argv``, and ``tests``: one record per test id with
@@ -71,9 +73,11 @@ from typing import Any
 import pytest
 
 ENV = "ENGINE_DURATIONS"
-CAUSES = ("ranks", "interpreter", "process", "compile", "lightning")  # first wins; then "own"
+# first wins; then "own"
+CAUSES = ("ranks", "interpreter", "forked", "process", "compile", "lightning")
 COUNTS = (
     "interpreters",
+    "forked",
     "rank_launches",
     "rank_processes",
     "processes",
@@ -291,12 +295,13 @@ def _close(spans: list[_Span]) -> None:
 def _child_started(obj: object, cause: str, start: float) -> None:
     if _compiling and cause != "ranks":
         return  # Inductor's compile workers and C++ compiler: part of the compile
-    if _rank_depth and cause in ("interpreter", "process"):
+    if _rank_depth and cause in ("interpreter", "forked", "process"):
         with _LOCK:  # a rank of run_ranks: counted; run_ranks's own span holds the time
             for r in _RECORDERS:
                 r.count("rank_processes")
         return
     count = {"ranks": "rank_launches", "interpreter": "interpreters", "process": "processes"}
+    count["forked"] = "forked"
     _children[id(obj)] = _open(cause, count[cause], start)
 
 
@@ -369,8 +374,9 @@ def _wrap_multiprocessing() -> None:
             begin = _now()
             original(self)
             if _RECORDERS:
-                fresh = _start_method(self) in ("spawn", "forkserver")
-                _child_started(self, "interpreter" if fresh else "process", begin)
+                method = _start_method(self)
+                kind = {"spawn": "interpreter", "forkserver": "forked"}.get(method, "process")
+                _child_started(self, kind, begin)
 
         return method
 

@@ -1,15 +1,18 @@
-"""Run a function on N gloo ranks in fresh (spawned) processes, for the distributed tests.
+"""Run a function on N gloo ranks in fresh processes, for the distributed tests.
 
 ``run_ranks(fn, n, *args)`` starts ``n`` processes, each with the variables torchrun would set
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free port), one
 thread, and calls ``fn(rank, *args)`` there; it returns the ranks' results in rank order. A rank
 that raises fails the call with its traceback; every wait has a deadline, so a hang fails the
 test instead of the suite.
+
+The ranks are forked from the suite's fork server (``_procs.context()``: torch and engine
+imported once per session), not started cold: each is a new process with the environment of
+the call, without the seconds of import. Tests about a launcher start their ranks for real.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import socket
@@ -45,7 +48,11 @@ def _load(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: Any, args: tuple) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, port: int, out: Any, args: tuple, env: dict
+) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the caller's, at the call: a forked process has the server's
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -74,21 +81,18 @@ def run_ranks(
     fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, env: dict | None = None
 ) -> list[Any]:
     """``[fn(0, *args), ..., fn(world - 1, *args)]``, each in its own process."""
-    ctx = mp.get_context("spawn")
+    import _procs
+
+    ctx = _procs.context()
     out = ctx.Queue()
     port = free_port()
-    saved = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, port, out, args), daemon=True)
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    environ = {**os.environ, **(env or {})}
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, out, args, environ), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout

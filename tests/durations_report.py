@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT = Path(__file__).with_name("durations.json.gz")
-CAUSES = ("ranks", "interpreter", "process", "compile", "lightning", "own")
+CAUSES = ("ranks", "interpreter", "forked", "process", "compile", "lightning", "own")
 SHORT = {"ranks": "ranks", "interpreter": "interp", "process": "proc", "compile": "compile"}
+SHORT |= {"forked": "forked"}
 SHORT |= {"lightning": "lightn", "own": "own"}
 
 
@@ -91,6 +92,7 @@ def report(data: dict[str, Any], top: int = 30, files: int | None = None) -> str
         "ranks": f"{counts.get('rank_launches', 0):,} launches "
         f"({counts.get('rank_processes', 0):,} run_ranks processes)",
         "interpreter": f"{counts.get('interpreters', 0):,} fresh interpreters",
+        "forked": f"{counts.get('forked', 0):,} forked from the fork server (tests/_procs.py)",
         "process": f"{counts.get('processes', 0):,} other processes",
         "compile": f"{counts.get('compiles', 0):,} compiles",
         "lightning": f"{counts.get('lightning_runs', 0):,} Trainer runs",
@@ -99,7 +101,7 @@ def report(data: dict[str, Any], top: int = 30, files: int | None = None) -> str
     out += ["", "time by cause", f"  {'cause':<12} {'seconds':>9} {'share':>6}"]
     for cause in CAUSES:
         share = 100 * total[cause] / wall if wall else 0.0
-        out.append(f"  {cause:<12} {total[cause]:9,.1f} {share:5.1f}%  {what[cause]}")
+        out.append(f"  {cause:<12} {total[cause]:9,.1f} {share:5.1f}%  {what.get(cause, '')}")
 
     out += [
         "",

@@ -26,6 +26,15 @@ GENERATED = textwrap.dedent(
         p.start()
         p.join()
 
+    def test_fork_server_started():  # its start and a cold interpreter's sys.path, once
+        import _procs
+        _procs.context()
+        _procs._cold_path()
+
+    def test_forked():  # from the suite's fork server: forked, not a fresh interpreter
+        import _procs
+        _procs.run([sys.executable, "-c", "import time; time.sleep(0.3)"], check=True)
+
     def test_torchrun(tmp_path):  # a stand-in for torchrun: a Python script of that name
         script = tmp_path / "torchrun"
         script.write_text(f"#!{sys.executable}\\nimport time\\ntime.sleep(0.3)\\n")
@@ -85,7 +94,7 @@ def _only(test, cause, counts):
 
 def test_a_python_child_is_a_fresh_interpreter_and_a_sleep_the_tests_own(measured):
     data, tests, _ = measured
-    assert data["collected"] == data["selected"] == len(data["tests"]) == 8
+    assert data["collected"] == data["selected"] == len(data["tests"]) == 10
     child, own = tests["test_child"], tests["test_own"]
     _only(child, "interpreter", {"interpreters": 1})
     assert child["by_cause"]["interpreter"] >= 0.5
@@ -103,6 +112,12 @@ def test_a_spawned_process_is_a_fresh_interpreter(measured):
     test = measured[1]["test_spawned"]
     _only(test, "interpreter", {"interpreters": 1})
     assert test["by_cause"]["interpreter"] >= 0.3
+
+
+def test_a_process_of_the_fork_server_is_forked_not_a_fresh_interpreter(measured):
+    test = measured[1]["test_forked"]
+    _only(test, "forked", {"forked": 1})
+    assert test["by_cause"]["forked"] >= 0.3
 
 
 def test_torchrun_a_node_and_run_ranks_are_rank_launches_not_interpreters(measured):
@@ -123,7 +138,8 @@ def test_nested_time_goes_to_the_outer_cost_once():
     spans = [("interpreter", 0, 1), ("lightning", 0.5, 2), ("compile", 1.5, 1.8), ("ranks", 4, 9)]
     assert (*_durations.CAUSES, "own") == durations_report.CAUSES
     got = _durations.split(spans, 0, 5)
-    want = {"ranks": 1, "interpreter": 1, "process": 0, "compile": 0.3, "lightning": 0.7}
+    want = {"ranks": 1, "interpreter": 1, "forked": 0, "process": 0, "compile": 0.3}
+    want["lightning"] = 0.7
     assert got == pytest.approx({**want, "own": 2.0})
 
 
@@ -152,7 +168,8 @@ def test_the_report_prints_the_total_the_slowest_the_causes_and_the_files(measur
         assert section in text, text
     slowest = text.split("slowest 2 tests")[1].split("time per file")[0]
     assert "test_child" in slowest and "test_own" not in slowest
-    assert "3 launches" in text and "2 fresh interpreters" in text
+    assert "3 launches" in text and "3 fresh interpreters" in text, text
+    assert "1 forked from the fork server" in text, text
     assert text.rstrip().endswith("test_generated.py")
 
 
