@@ -5,11 +5,12 @@ from pathlib import Path
 import pytest
 
 # tests/ on the path as pytest puts it for the test modules (`from _ranks import ...`), a little
-# earlier, for the plugin that measures where the time goes (`--durations-json=PATH`).
+# earlier, for the plugins that measure where the time goes (`--durations-json=PATH`) and keep
+# each file within its share of it (`_budget`).
 _TESTS = str(Path(__file__).parent / "tests")
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
-pytest_plugins = ["_durations"]
+pytest_plugins = ["_durations", "_budget"]
 
 
 @pytest.fixture(autouse=True)

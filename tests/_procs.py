@@ -374,23 +374,27 @@ class Popen:
 
     def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
         """As :meth:`subprocess.Popen.communicate`: feeds ``input``, reads both pipes to
-        their end (each on a thread of its own, so neither fills), waits."""
-        outs: dict[str, Any] = {}
-        readers = []
-        for name in ("stdout", "stderr"):
-            stream = getattr(self, name)
-            if stream is not None:
-                t = threading.Thread(target=lambda s=stream, n=name: outs.__setitem__(n, s.read()))
-                t.daemon = True
-                t.start()
-                readers.append(t)
-        if self.stdin is not None:
-            with contextlib.suppress(BrokenPipeError):
-                if input is not None:
-                    self.stdin.write(input)
-                self.stdin.close()
+        their end (each on a thread of its own, so neither fills), waits. After a
+        ``TimeoutExpired`` it may be called again, as subprocess's."""
+        if not hasattr(self, "_readers"):
+            self._outs: dict[str, Any] = {}
+            self._readers = []
+            for name in ("stdout", "stderr"):
+                stream = getattr(self, name)
+                if stream is not None:
+                    t = threading.Thread(
+                        target=lambda s=stream, n=name: self._outs.__setitem__(n, s.read()),
+                        daemon=True,
+                    )
+                    t.start()
+                    self._readers.append(t)
+            if self.stdin is not None:
+                with contextlib.suppress(BrokenPipeError, ValueError):
+                    if input is not None:
+                        self.stdin.write(input)
+                    self.stdin.close()
         deadline = None if timeout is None else time.monotonic() + timeout
-        for t in readers:
+        for t in self._readers:
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
@@ -400,7 +404,7 @@ class Popen:
             stream = getattr(self, name)
             if stream is not None:
                 stream.close()
-        return outs.get("stdout"), outs.get("stderr")
+        return self._outs.get("stdout"), self._outs.get("stderr")
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -262,7 +262,7 @@ def test_a_fit_resumed_in_a_fresh_process_is_bitwise_the_uninterrupted_one(
         assert saver.saved
         print(digest(state))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     _, resumed = fit(tmp_path / "resumed", kind, ckpt_path=str(ckpt))
     assert digest(resumed) == done.stdout.split()[-1]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 
@@ -60,7 +60,7 @@ def test_local_bytes_counts_every_tensor_leaf() -> None:
 
 @pytest.mark.slow
 def test_benchmark_json_on_two_ranks() -> None:
-    done = subprocess.run(
+    done = _procs.run(
         [sys.executable, "-m", "benchmarks.fsdp", "--quick", "--json"],
         cwd=ROOT,
         env=_env(),
@@ -128,7 +128,7 @@ def test_fsdp_check_runs_on_two_gloo_ranks(tmp_path: Path) -> None:
     out = tmp_path / "fsdp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "benchmarks.gpu_fsdp", "--device", "cpu", "--quick", "--json", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    done = _procs.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["complete"] is True and r["ok"] is True, r

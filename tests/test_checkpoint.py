@@ -15,6 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,7 @@ def test_a_checkpoint_written_by_another_process_loads_bitwise(tmp_path):
         checkpoint.save(s, {str(tmp_path / "c")!r})
         print(s.fingerprint())
     """)
-    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
+    out = _procs.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
     back = checkpoint.load(tmp_path / "c", _template())
     assert back.fingerprint() == out.stdout.strip().splitlines()[-1]
     assert back.fingerprint() == _trained(calls=4).fingerprint()
@@ -203,7 +204,7 @@ def test_a_crash_between_the_renames_of_a_replacement_loses_no_checkpoint(tmp_pa
         os.replace = dying_replace
         checkpoint.save(_trained(calls=5), {str(tmp_path / "c")!r})
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 3, done.stderr
     assert not (tmp_path / "c").exists()  # the crash left no checkpoint under the name
     aside = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-ckpt-old-")]
@@ -236,7 +237,7 @@ def test_leftovers_of_a_save_still_in_progress_are_left_alone(tmp_path):
             print(claim.id, flush=True)
             sys.stdin.readline()  # until told
     """)
-    child = subprocess.Popen(
+    child = _procs.Popen(
         [sys.executable, "-c", other], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
@@ -277,15 +278,15 @@ def test_an_error_between_the_renames_of_a_replacement_puts_the_old_checkpoint_b
 def test_engine_inspect_prints_the_summary_and_the_verdict(tmp_path):
     path = checkpoint.save(_trained(), tmp_path / "c", metrics={"val/acc": 0.75})
     cmd = [sys.executable, "-m", "engine", "inspect", str(path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = _procs.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "step            5" in out and "val/acc = 0.75" in out
     assert "checksums       all verify" in out
     info = json.loads(
-        subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True).stdout
+        _procs.run([*cmd, "--json"], capture_output=True, text=True, check=True).stdout
     )
     assert info["num_params"] == _trained().num_params() and info["verified"]
     (path / "tensors.pt").write_bytes(b"garbage")
-    bad = subprocess.run(cmd, capture_output=True, text=True)
+    bad = _procs.run(cmd, capture_output=True, text=True)
     assert bad.returncode == 1 and "FAILED" in bad.stdout
 
 
@@ -623,7 +624,7 @@ def test_a_weights_only_checkpoint_holds_the_model_and_says_so(tmp_path):
     assert back.opt_state is template.opt_state and back.grad_accum is None
     full = checkpoint.save(state, tmp_path / "f")
     assert (path / "tensors.pt").stat().st_size < (full / "tensors.pt").stat().st_size / 2
-    out = subprocess.run(
+    out = _procs.run(
         [sys.executable, "-m", "engine", "inspect", str(path)],
         capture_output=True,
         text=True,

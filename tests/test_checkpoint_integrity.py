@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,7 +115,7 @@ def test_engine_inspect_reports_a_damaged_meta_json_and_exits_1(tmp_path):
     at = raw.index(b'"seed": 11') + len(b'"seed": ')
     raw[at] ^= 0x08  # 11 -> 91 ("1" is 0x31, "9" 0x39): valid JSON, another seed
     (path / "meta.json").write_bytes(bytes(raw))
-    done = subprocess.run(
+    done = _procs.run(
         [sys.executable, "-m", "engine", "inspect", str(path)], capture_output=True, text=True
     )
     assert done.returncode == 1
@@ -209,7 +209,7 @@ def test_malformed_metadata_is_a_checkpoint_error_in_load_and_in_the_cli(tmp_pat
     (path / "meta.json").write_bytes(text.encode("latin-1"))
     with pytest.raises(CheckpointError, match=message):
         checkpoint.load(path, _template())
-    done = subprocess.run(
+    done = _procs.run(
         [sys.executable, "-m", "engine", "inspect", str(path)], capture_output=True, text=True
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr

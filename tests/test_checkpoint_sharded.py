@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 
@@ -229,7 +229,7 @@ def test_inspect_and_the_cli_read_a_sharded_checkpoint(tmp_path):
     assert info["layout"] == "sharded" and info["world_size"] == 2 and info["verified"]
     assert info["tensors"]["params/0.weight"]["shape"] == [5, 3]
     assert info["step"] == 7 and info["size_bytes"] > 0
-    done = subprocess.run(
+    done = _procs.run(
         [sys.executable, "-m", "engine", "inspect", str(path)],
         capture_output=True,
         text=True,

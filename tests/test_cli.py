@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import yaml
@@ -104,7 +105,7 @@ def engine(
     *args: str | Path, project: Path | None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``python -m engine ARGS`` with ``project`` on PYTHONPATH."""
-    return subprocess.run(
+    return _procs.run(
         [sys.executable, "-m", "engine", *map(str, args)],
         capture_output=True,
         text=True,
@@ -271,7 +272,7 @@ def test_a_datamodule_without_the_stage_loader_exits_2(project, tmp_path):
     module = tmp_path / "trainonly.py"
     module.write_text("import cliproj\n\n\nclass Data(cliproj.Data):\n    test_dataloader = None\n")
     env_path = f"{tmp_path}{os.pathsep}{project}"
-    done = subprocess.run(
+    done = _procs.run(
         [sys.executable, "-m", "engine", "test", "--config=cfg.yaml", "--data=trainonly.Data"],
         capture_output=True,
         text=True,

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import yaml
 from test_cli import _CONFIG, _MODULE
@@ -161,7 +161,7 @@ def _script() -> Path:
 
 def _engine(*args: str | Path, cwd: Path, pythonpath: Path | None = None):
     """The installed ``engine`` script (.venv/bin/engine), as a user runs it."""
-    return subprocess.run(
+    return _procs.run(
         [str(_script()), *map(str, args)],
         capture_output=True,
         text=True,
@@ -207,7 +207,7 @@ def test_every_wrong_value_of_every_flag_is_one_error_line(project, tmp_path):
                 "stderr": str(tmp_path / f"case{i}.err"),
             }
         )
-    done = subprocess.run(
+    done = _procs.run(
         [sys.executable, "-c", _DRIVER],
         input=json.dumps(cases),
         capture_output=True,

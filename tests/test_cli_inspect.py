@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import _procs
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -30,7 +31,7 @@ def _inspect(
     path: Path, as_user: Sequence[str] = (), **kwargs: Any
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
+    return _procs.run(
         [*as_user, sys.executable, "-m", "engine", "inspect", str(path)],
         capture_output=True,
         text=True,
@@ -68,7 +69,7 @@ def _unprivileged() -> dict[str, Any]:
     if shutil.which("setpriv") is None:
         pytest.skip("running as root without setpriv(1) to drop privileges: chmod 000 reads")
     as_user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    probe = subprocess.run(
+    probe = _procs.run(
         [*as_user, sys.executable, "-c", "import engine"],
         capture_output=True,
         text=True,

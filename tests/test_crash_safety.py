@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 from torch import nn
@@ -238,7 +239,7 @@ def test_sigkill_at_random_instants_of_a_top_k_fit_loses_nothing_completed(tmp_p
     rng = random.Random(0)
     for run in range(4):
         root = tmp_path / f"run{run}"
-        child = subprocess.Popen(
+        child = _procs.Popen(
             [sys.executable, "-c", _FIT, str(root), how],
             stdout=subprocess.PIPE,
             text=True,

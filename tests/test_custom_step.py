@@ -4,11 +4,11 @@ a fresh process; and the flags that act inside a built step are refused for it, 
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,7 @@ def test_a_gan_step_resumes_mid_epoch_in_a_fresh_process_bitwise(tmp_path):
         state = _fit(Path({str(tmp_path / "full")!r}), callbacks=[_SaveAt(21, Path({str(ckpt)!r}))])
         print(state.fingerprint())
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     full = done.stdout.split()[-1]
     meta = eg.checkpoint.read_meta(ckpt)

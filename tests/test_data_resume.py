@@ -4,12 +4,12 @@ workers (and survives a fresh process), and iterables that save their own positi
 from __future__ import annotations
 
 import random
-import subprocess
 import sys
 import textwrap
 import warnings
 from pathlib import Path
 
+import _procs
 import numpy as np
 import pytest
 import torch
@@ -89,7 +89,7 @@ def test_resume_with_two_workers_and_augmentation_in_a_fresh_process_is_bitwise(
         _trainer(max_epochs=3, max_steps=9, callbacks=[_SaveAt(9, {str(ckpt)!r})]).fit(
             task, task.init(_model(), seed=5), loader(2))
     """)
-    subprocess.run([sys.executable, "-c", script], check=True)
+    _procs.run([sys.executable, "-c", script], check=True)
     assert checkpoint.read_meta(ckpt)["batch_idx"] == 3  # epoch 1, 3 of 6 batches done
     task = _task()
     full = _trainer(max_epochs=3).fit(task, task.init(_model(), seed=5), loader(2))
@@ -272,7 +272,7 @@ def test_resume_with_two_workers_and_augmentation_in_a_plain_dataset_in_a_fresh_
         _trainer(max_epochs=3, max_steps=9, callbacks=[_SaveAt(9, {str(ckpt)!r})]).fit(
             task, state, plain_loader(2, order={order!r}))
     """)
-    subprocess.run([sys.executable, "-c", script], check=True)
+    _procs.run([sys.executable, "-c", script], check=True)
     assert checkpoint.read_meta(ckpt)["batch_idx"] == 3  # epoch 1, 3 of 6 batches done
     task = _task()
     seen_full, seen_resumed = _Batches(), _Batches()

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.distributed as dist
@@ -373,7 +373,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+    proc = _procs.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )

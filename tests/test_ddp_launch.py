@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 
@@ -109,7 +110,7 @@ def _run(tmp_path: Path, args: dict, *, timeout: float = 150, **env: str):
     script = tmp_path / "launch_fit.py"
     script.write_text(SCRIPT)
     args = {"sync": False, **args}
-    return subprocess.run(
+    return _procs.run(
         [sys.executable, str(script), json.dumps(args)],
         env=_env(**env),
         capture_output=True,
@@ -160,7 +161,7 @@ def test_two_nodes_on_loopback_join_one_group(tmp_path, one):
     script = tmp_path / "launch_fit.py"
     script.write_text(SCRIPT)
     procs = [
-        subprocess.Popen(
+        _procs.Popen(
             [sys.executable, str(script), json.dumps({"sync": False, **args})],
             env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node)),
             stdout=subprocess.PIPE,

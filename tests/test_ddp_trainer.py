@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 
@@ -140,12 +140,12 @@ def _torchrun(script: Path, args: dict, *, nproc: int = 2, timeout: float = 180)
         str(script),
         json.dumps(args),
     ]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return _procs.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _python(script: Path, args: dict, *, timeout: float = 180):
     cmd = [sys.executable, str(script), json.dumps(args)]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return _procs.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _final(root: Path) -> dict:

@@ -16,11 +16,11 @@ import inspect
 import io
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -117,7 +117,7 @@ def test_the_docs_site_builds_offline_with_warnings_as_errors(tmp_path):
         },
     }
     site = tmp_path / "site"
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
         cwd=ROOT,
         env=env,
@@ -176,7 +176,7 @@ def test_every_python_block_of_a_page_runs(page, tmp_path):
         if mode == "torchrun":
             proc = _torchrun(script, {}, timeout=300)
         elif mode == "script":
-            proc = subprocess.run(
+            proc = _procs.run(
                 [sys.executable, str(script)],
                 env=_env(),
                 capture_output=True,
@@ -206,7 +206,7 @@ def test_every_python_block_of_a_page_runs(page, tmp_path):
 
 
 def _engine_help(sub: str) -> str:
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, "-m", "engine", sub, "--help"],
         env=_env(),
         capture_output=True,
@@ -285,7 +285,7 @@ def test_the_cli_pages_config_runs_as_written(tmp_path):
     assert cfg["model"]["class_path"] == "mypkg.models.MLP"
     (tmp_path / "cfg.yaml").write_text(config)
     env = {**_env(), "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, "-m", "engine", "fit", "--config", "cfg.yaml", "--trainer.max_epochs=1"],
         cwd=tmp_path,
         env=env,

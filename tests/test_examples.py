@@ -5,6 +5,7 @@ import math
 import sys
 from pathlib import Path
 
+import _procs
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -175,7 +176,6 @@ def test_char_lm_interrupted_then_resumed_ends_bitwise_as_the_run_that_never_sto
 def test_char_lm_under_ddp_on_2_ranks_trains_as_one_process_on_the_global_batch(tmp_path):
     import json
     import os
-    import subprocess
 
     lm = _load("char_lm")
     run = [*TINY_LM, "--steps", "12", "--val-every", "12", "--ckpt-every", "12"]
@@ -186,7 +186,7 @@ def test_char_lm_under_ddp_on_2_ranks_trains_as_one_process_on_the_global_batch(
     results = tmp_path / "ddp.json"
     ddp = ["--strategy", "ddp", "--devices", "2", "--root", str(tmp_path / "ddp")]
     cmd = [sys.executable, str(EXAMPLES / "char_lm.py"), *run, *ddp, "--results", str(results)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = _procs.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = json.loads(results.read_text())
     run[run.index("--batch") + 1] = "16"

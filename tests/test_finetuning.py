@@ -5,11 +5,11 @@ Lightning's own, and resume (fresh process) and replay stay bitwise."""
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -343,7 +343,7 @@ def test_a_fresh_process_resumes_bitwise_before_and_after_the_unfreeze(tmp_path,
         _, state = fit(Path({str(tmp_path / "full")!r}), [saver])
         print(state.fingerprint())
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     _, resumed = fit(tmp_path / "resumed", ckpt_path=str(ckpt))
     assert resumed.fingerprint() == done.stdout.split()[-1]

@@ -9,6 +9,7 @@ import inspect
 import json
 import warnings
 
+import _procs
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -512,7 +513,7 @@ def _run_two_ranks(tmp_path, name: str, args: dict) -> dict:
     ):
         env.pop(k, None)
     args = {**args, "dir": str(tmp_path / name), "out": str(out)}
-    proc = subprocess.Popen(
+    proc = _procs.Popen(
         [sys.executable, str(script), json.dumps(args)],
         env=env,
         stdout=subprocess.PIPE,

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -89,7 +89,7 @@ REPLAY = textwrap.dedent(
 def _replay(tmp_path: Path, run_dir: Path, **args) -> dict:
     script = tmp_path / "replay_script.py"
     script.write_text(REPLAY)
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, str(script), json.dumps({"run_dir": str(run_dir), **args})],
         env=_env(),
         capture_output=True,

@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -138,13 +139,12 @@ SPAWN = textwrap.dedent(
 
 
 def test_a_spawned_fsdp_run_returns_the_whole_state(tmp_path):
-    import subprocess
 
     from test_ddp_trainer import _env
 
     script = tmp_path / "spawn_fsdp.py"
     script.write_text(SPAWN)
-    proc = subprocess.run(
+    proc = _procs.run(
         [sys.executable, str(script), str(tmp_path)],
         env=_env(),
         capture_output=True,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import _procs
 import pytest
 
 from benchmarks import gpu_report
@@ -24,7 +24,7 @@ def test_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--quick"]
     cmd += ["--skip-compile", "--json", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = _procs.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results == json.loads(done.stdout)  # printed and written alike
@@ -48,7 +48,7 @@ def test_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_check_script_parses() -> None:
-    done = subprocess.run(
+    done = _procs.run(
         ["bash", "-n", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
@@ -99,7 +99,7 @@ def test_ddp_check_runs_on_two_gloo_ranks(tmp_path: Path) -> None:
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "benchmarks.gpu_ddp", "--device", "cpu", "--quick", "--json", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    done = _procs.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["complete"] is True and results["ok"] is True, results

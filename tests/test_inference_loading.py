@@ -213,7 +213,7 @@ def test_export_loads_in_a_process_without_engine(tmp_path):
         print(sorted(m for m in sys.modules if m == "engine" or m.startswith("engine.")))
         """
     )
-    done = subprocess.run(
+    done = subprocess.run(  # cold: a fork of the test's server has engine imported already
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120
     )
     assert done.returncode == 0, done.stderr

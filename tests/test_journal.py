@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -268,14 +269,13 @@ print("lines:", [x["step"] for x in Journal.read(root / "run") if "checkpoint" i
 
 
 def test_a_refused_or_cancelled_asynchronous_save_ends_the_fit_rather_than_hanging(tmp_path):
-    import subprocess
     import sys
 
     for case, expected in (
         ("raise", "raised: a listener refuses this save"),
         ("cancel", "lines: [0, 2]"),  # the start, and "a"; the cancelled "b" has no line
     ):
-        done = subprocess.run(
+        done = _procs.run(
             [sys.executable, "-c", _HANGS, case], capture_output=True, text=True, timeout=60
         )
         assert expected in done.stdout, (case, done.stdout, done.stderr[-2000:])

@@ -6,11 +6,11 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -111,7 +111,7 @@ def test_a_torn_last_line_is_an_interrupted_write_and_replay_still_runs(tmp_path
     with pytest.warns(UserWarning, match="line 13, the last, is incomplete"):
         report = eg.replay(trainer.run_dir, 1, 11, trust_code=True)
     assert report.identical, str(report)
-    done = subprocess.run(
+    done = _procs.run(
         [sys.executable, "-m", "engine", "replay", trainer.run_dir, "--trust-code", "--to", "11"],
         capture_output=True,
         text=True,
@@ -148,7 +148,7 @@ def test_a_real_full_disk_ends_the_fit_with_a_clear_error_and_a_readable_journal
     mount.mkdir()
     # room for the run directory's files (the task pickles to ~50 KB: its optimizer's
     # closures, the differentiable forms included) and the first lines; the fit fills the rest
-    done = subprocess.run(
+    done = _procs.run(
         ["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mount)], capture_output=True
     )
     if done.returncode != 0:
@@ -165,5 +165,5 @@ def test_a_real_full_disk_ends_the_fit_with_a_clear_error_and_a_readable_journal
             assert len(lines) > 20  # it wrote until the disk was full
         assert (mount / "run" / "journal.jsonl").read_bytes().endswith(b"\n")
     finally:
-        subprocess.run(["umount", str(mount)], check=False)
+        _procs.run(["umount", str(mount)], check=False)
         mount.rmdir()

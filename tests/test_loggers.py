@@ -15,6 +15,7 @@ import struct
 import warnings
 from typing import Any
 
+import _procs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -363,17 +364,16 @@ def test_several_loggers_receive_the_same_metrics(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A directory on a real 64 KiB tmpfs (skipped where this machine refuses ``mount``)."""
-    import subprocess
 
     where = tmp_path / "disk"
     where.mkdir()
-    done = subprocess.run(
+    done = _procs.run(
         ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True
     )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     yield where
-    subprocess.run(["umount", str(where)], check=True)
+    _procs.run(["umount", str(where)], check=True)
 
 
 def _fill(where, leave: int) -> None:
@@ -513,7 +513,7 @@ def test_two_processes_fitting_at_once_get_their_own_versions(tmp_path):
     script.write_text(_CONCURRENT_FIT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen(
+        _procs.Popen(
             [sys.executable, str(script), str(tmp_path), me],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

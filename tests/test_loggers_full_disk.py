@@ -22,7 +22,6 @@ import pickle
 import select
 import signal
 import struct
-import subprocess
 import threading
 import time
 import uuid
@@ -31,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,7 +97,7 @@ def full_disk() -> Iterator[Path]:
     """A directory on a real 300 KB tmpfs, unmounted afterwards."""
     where = Path(f"/tmp/engine-full-disk-{uuid.uuid4().hex}")
     where.mkdir()
-    done = subprocess.run(
+    done = _procs.run(
         ["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(where)], capture_output=True
     )
     if done.returncode != 0:
@@ -106,7 +106,7 @@ def full_disk() -> Iterator[Path]:
     try:
         yield where
     finally:
-        subprocess.run(["umount", str(where)], check=False)
+        _procs.run(["umount", str(where)], check=False)
         where.rmdir()
 
 

@@ -3,12 +3,12 @@ schedules, against torch's schedulers and Lightning's stepping, resumed and repl
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 import warnings
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -178,7 +178,7 @@ def test_a_plateau_run_resumes_in_a_fresh_process_and_replays_bitwise(tmp_path):
         """)
 
     def run(code: str) -> list[str]:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        done = _procs.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout.split()
 

@@ -10,11 +10,11 @@ computed.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -385,7 +385,7 @@ def test_a_maml_fit_checkpoints_and_resumes_in_a_fresh_process_bitwise(tmp_path)
         torch.save({{"step": state.step, "params": dict(state.params),
                     "fingerprint": state.fingerprint()}}, {str(out)!r})
     """)
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    _procs.run([sys.executable, "-c", script], check=True, timeout=120)
     resumed = torch.load(out)
     assert resumed["step"] == 18
     assert all(torch.equal(resumed["params"][k], full.params[k]) for k in full.params)

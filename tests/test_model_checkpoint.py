@@ -16,6 +16,7 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -539,11 +540,10 @@ def test_a_failed_asynchronous_save_keeps_the_checkpoint_it_would_replace(tmp_pa
 def test_a_fit_start_cleans_what_a_crashed_save_left_in_dirpath(tmp_path):
     # as a process killed mid-replacement leaves it: the old checkpoint moved aside under its
     # name, and a half-written one, both by a writer that is gone
-    import subprocess
     import sys
 
     dead = int(
-        subprocess.run(
+        _procs.run(
             [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
         ).stdout
     )

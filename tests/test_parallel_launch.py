@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 
+import _procs
 import pytest
 import torch
 import torch.distributed as dist
@@ -360,7 +361,7 @@ def _run(args, *, cwd, env=None, timeout=90):
     base = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     base.update(OMP_NUM_THREADS="1", **(env or {}))
     start = time.monotonic()
-    proc = subprocess.run(
+    proc = _procs.run(
         args, cwd=cwd, env=base, capture_output=True, text=True, timeout=timeout, check=False
     )
     return proc, time.monotonic() - start
@@ -481,7 +482,7 @@ def test_two_nodes_on_loopback_join_one_group(tmp_path):
     port = str(find_free_port())
     base = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     procs = [
-        subprocess.Popen(
+        _procs.Popen(
             [sys.executable, str(script), "plain", "1", "2"],
             cwd=tmp_path,
             env=dict(

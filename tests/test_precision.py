@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -358,7 +358,7 @@ def test_resume_mid_accumulation_window_in_a_fresh_process_is_bitwise(tmp_path, 
             ckpt_path={str(tmp_path / "mid")!r})
         print(state.fingerprint())
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == whole.fingerprint()
 
@@ -528,7 +528,7 @@ def test_sigkill_mid_fit_under_16_mixed_resumes_from_last_bitwise(tmp_path, kill
                    logger=False, enable_progress_bar=False, enable_model_summary=False,
                    ).fit(task, task.init(_model()), _poison(_data(10), at=(3,)))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == -9, done.stderr[-2000:]
     task = eg.Task(_loss, optim.adamw(1e-2))
     data = _poison(_data(10), at=(3,))

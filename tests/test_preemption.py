@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 
@@ -142,7 +143,7 @@ class Run:
         for out in self.outs:
             out.write_text("")
         self.procs = [
-            subprocess.Popen(
+            _procs.Popen(
                 [sys.executable, str(script), json.dumps(self.args)],
                 env=_env(r, port),
                 stdout=out.open("w"),

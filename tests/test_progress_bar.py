@@ -13,12 +13,12 @@ import io
 import os
 import pickle
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -274,7 +274,7 @@ def test_a_child_process_with_its_stdout_piped_prints_the_lines(tmp_path):
         """
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    child = subprocess.run(
+    child = _procs.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
     )
     assert child.returncode == 0, child.stderr

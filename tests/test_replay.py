@@ -8,11 +8,11 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -249,23 +249,23 @@ print(trainer.run_dir)
 def test_the_command_line_replays_a_run_without_its_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_SCRIPT))
-    done = subprocess.run(
+    done = _procs.run(
         [sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     run = done.stdout.strip().splitlines()[-1]
     script.unlink()  # the replay must not need it
     cli = [sys.executable, "-m", "engine", "replay", run]
-    refused = subprocess.run(cli, capture_output=True, text=True)
+    refused = _procs.run(cli, capture_output=True, text=True)
     assert refused.returncode == 2 and "--trust-code" in refused.stderr
-    ok = subprocess.run([*cli, "--trust-code", "--from", "4"], capture_output=True, text=True)
+    ok = _procs.run([*cli, "--trust-code", "--from", "4"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "bitwise identical" in ok.stdout
     Journal_path = Path(run) / "journal.jsonl"
     lines = [json.loads(x) for x in Journal_path.read_text().splitlines()]
     lines[-1]["loss"] = 123.0
     Journal_path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    diverged = subprocess.run([*cli, "--trust-code"], capture_output=True, text=True)
+    diverged = _procs.run([*cli, "--trust-code"], capture_output=True, text=True)
     assert diverged.returncode == 1 and "123.0" in diverged.stdout
 
 

@@ -6,12 +6,12 @@ its ``save_hyperparameters()`` recorded."""
 from __future__ import annotations
 
 import pickle
-import subprocess
 import sys
 import textwrap
 import warnings
 from pathlib import Path
 
+import _procs
 import pytest
 
 pytest.importorskip("pytorch_lightning")
@@ -56,7 +56,7 @@ print(trainer.run_dir)
 def test_a_lightning_datamodule_run_replays_in_a_fresh_process(tmp_path, open_file):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_SCRIPT.format(open_file=open_file)))
-    done = subprocess.run(
+    done = _procs.run(
         [
             sys.executable,
             "-W",
@@ -72,7 +72,7 @@ def test_a_lightning_datamodule_run_replays_in_a_fresh_process(tmp_path, open_fi
     run = Path(done.stdout.strip().splitlines()[-1])
     assert (run / "data.pkl").is_file()
     script.unlink()  # the replay must not need it
-    replayed = subprocess.run(
+    replayed = _procs.run(
         [sys.executable, "-m", "engine", "replay", str(run), "--trust-code"],
         capture_output=True,
         text=True,

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,7 @@ def _fit(root: Path, *, seed: int = 7, task: eg.Task | None = None, **kw) -> eg.
 
 
 def _cli(run: str | Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return _procs.run(
         [sys.executable, "-m", "engine", "replay", str(run), "--trust-code", *args],
         capture_output=True,
         text=True,

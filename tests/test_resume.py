@@ -3,12 +3,12 @@ the run continues in a fresh process."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 import warnings
 from pathlib import Path
 
+import _procs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,7 +87,7 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
         _trainer(max_steps=7, callbacks=[_SaveAt(7, {str(ckpt)!r})]).fit(
             task, task.init(_model(), seed=5), _data(), _data()[:2])
     """)
-    subprocess.run([sys.executable, "-c", script], check=True)
+    _procs.run([sys.executable, "-c", script], check=True)
     task = _task()
     full = _trainer(max_epochs=2).fit(task, task.init(_model(), seed=5), _data(), _data()[:2])
     resumed = _trainer(max_epochs=2).fit(
@@ -147,7 +147,7 @@ def test_sigterm_finishes_the_step_saves_and_the_resume_is_exact(tmp_path):
             task, task.init(_model(), seed=5), _data(), _data()[:2])
         print("not reached")
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 1 and "not reached" not in done.stdout
     assert "SIGTERM received: finished step 14" in done.stderr
     saved = tmp_path / "checkpoints" / "interrupted-step=14"
@@ -212,7 +212,7 @@ def test_shuffle_true_resumes_mid_epoch_bitwise_in_a_fresh_process(tmp_path):
         _trainer(max_epochs=3, max_steps=13, callbacks=[_SaveAt(13, {str(ckpt)!r})]).fit(
             task, task.init(_model(), seed=5), _plain_shuffle(_Counted()))
     """)
-    subprocess.run([sys.executable, "-c", script], check=True)
+    _procs.run([sys.executable, "-c", script], check=True)
     assert checkpoint.read_meta(ckpt)["batch_idx"] == 3  # epoch 1, 3 of 10 batches done
     task = _task()
     torch.manual_seed(111)

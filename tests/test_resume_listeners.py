@@ -15,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -236,7 +236,7 @@ def _on_disk(dirpath: Path) -> dict[str, Any]:
 
 
 def _python(script: str) -> None:
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -19,6 +19,7 @@ import uuid
 import warnings
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -350,7 +351,7 @@ _RUN = textwrap.dedent("""
 
 
 def _run(tmp_path: Path, dirpath: Path, mode: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen(
+    return _procs.Popen(
         [sys.executable, "-c", _RUN, str(dirpath), str(tmp_path / uuid.uuid4().hex), mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -417,7 +418,7 @@ def test_a_run_owns_its_checkpoint_directory_while_it_fits_and_releases_it_after
 
 def test_a_stale_lock_left_by_a_dead_process_is_taken_over(tmp_path):
     dead = int(
-        subprocess.run(
+        _procs.run(
             [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
         ).stdout
     )
@@ -438,7 +439,7 @@ def test_a_stale_lock_left_by_a_dead_process_is_taken_over(tmp_path):
 
 def test_a_lock_refusal_is_quick_and_names_the_owner(tmp_path):
     dirpath = tmp_path / "ckpts"
-    holder = subprocess.Popen(
+    holder = _procs.Popen(
         [
             sys.executable,
             "-c",

@@ -5,11 +5,11 @@ so on stderr). Never a signal swallowed in silence."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,7 +107,7 @@ def test_sigterm_at_each_phase_of_the_last_epoch_is_acted_on(tmp_path, event, un
         state = _fit(Path({str(tmp_path)!r}), [KillAt({event!r})])
         print("returned", state.fingerprint())
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True)
     interrupted = sorted((tmp_path / "checkpoints").glob("interrupted-step=*"))
     if event in FINISHED:
         assert done.returncode == 0, done.stderr

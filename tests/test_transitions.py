@@ -4,11 +4,11 @@ resume (in a fresh process) and replay stay bitwise."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,7 +124,7 @@ def test_a_checkpoint_asked_for_in_the_same_event_holds_the_new_state_and_resume
         _, state = fit(Path({str(tmp_path / "full")!r}), [saver])
         print(state.fingerprint())
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    done = _procs.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     _, resumed = fit(tmp_path / "resumed", ckpt_path=str(ckpt))
     assert resumed.fingerprint() == done.stdout.split()[-1]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import tempfile
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,13 +30,13 @@ QUIET = {"enable_progress_bar": False, "enable_model_summary": False, "max_epoch
 def read_only(tmp_path):
     where = tmp_path / "ro"
     where.mkdir()
-    done = subprocess.run(
+    done = _procs.run(
         ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(where)], capture_output=True
     )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
     yield where
-    subprocess.run(["umount", str(where)], check=True)
+    _procs.run(["umount", str(where)], check=True)
 
 
 def _fit(calls=None, **flags):
