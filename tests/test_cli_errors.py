@@ -1,8 +1,10 @@
 """Every bad value given to ``engine fit`` is answered with one ``error:`` line and exit status 2:
-no traceback, no directory made. The command runs in a subprocess: the ``engine`` script itself
-for the values issue 16 named, and, for the table of wrong values of every ``--trainer.*`` flag,
-one interpreter that forks a child per value (each child runs ``engine.cli.main`` as the script
-does, in its own empty directory; forking spares ~3 s of imports per value)."""
+no traceback, no directory made. The command runs in a process of its own: ``python -m engine``
+forked from the suite's fork server (tests/_procs.py) for the values issue 16 named, the
+installed ``engine`` script itself, started cold, where the script is the point, and, for the
+table of wrong values of every ``--trainer.*`` flag, one interpreter that forks a child per value
+(each child runs ``engine.cli.main`` as the script does, in its own empty directory; forking
+spares ~3 s of imports per value)."""
 
 from __future__ import annotations
 
@@ -159,10 +161,12 @@ def _script() -> Path:
     return script
 
 
-def _engine(*args: str | Path, cwd: Path, pythonpath: Path | None = None):
-    """The installed ``engine`` script (.venv/bin/engine), as a user runs it."""
+def _engine(*args: str | Path, cwd: Path, pythonpath: Path | None = None, script: bool = False):
+    """``python -m engine`` in a forked process, or (``script``) the installed ``engine``
+    script (.venv/bin/engine) started cold, as a user runs it."""
+    command = [str(_script())] if script else [sys.executable, "-m", "engine"]
     return _procs.run(
-        [str(_script()), *map(str, args)],
+        [*command, *map(str, args)],
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -238,6 +242,7 @@ def test_a_value_refused_at_fit_time_makes_no_directory(project, tmp_path):
         project / "cfg.yaml",
         "--trainer.val_check_interval=50",
         cwd=tmp_path,
+        script=True,
         pythonpath=project,
     )
     _one_error_line(done.returncode, done.stderr)
@@ -380,6 +385,7 @@ def test_fit_finds_the_users_module_in_the_current_directory(project):
         "--trainer.enable_journal=false",
         "--print_config",
         cwd=project,
+        script=True,
     )
     assert done.returncode == 0, done.stderr
     assert yaml.safe_load(done.stdout)["model"]["class_path"] == "cliproj.Net"

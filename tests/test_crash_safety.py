@@ -45,10 +45,9 @@ PRINTS = {OLD.fingerprint(): "old", NEW.fingerprint(): "new"}
 TRACED = {checkpoint.__file__, _ckpt_files.__file__, _meta.__file__, shutil.__file__}
 
 
-def _run_killed_at(line: int, operation: Callable[[], object]) -> bool:
-    """Run ``operation`` in a forked child that dies (``os._exit``) when it reaches the
-    ``line``-th line executed in :data:`TRACED`, on any thread; returns whether it died there
-    (``False``: the operation finished first)."""
+def _start_killed_at(line: int, operation: Callable[[], object]) -> int:
+    """Start ``operation`` in a forked child that dies (``os._exit``) when it reaches the
+    ``line``-th line executed in :data:`TRACED`, on any thread; returns its pid."""
     pid = os.fork()
     if pid == 0:  # the child: never returns
         count = 0
@@ -73,6 +72,12 @@ def _run_killed_at(line: int, operation: Callable[[], object]) -> bool:
         except BaseException:
             os._exit(1)
         os._exit(0)
+    return pid
+
+
+def _died(pid: int) -> bool:
+    """Whether the child :func:`_start_killed_at` started died at its line (``False``: the
+    operation finished first)."""
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     assert code in (0, KILLED), f"the operation failed in the child (exit status {code})"
@@ -100,24 +105,37 @@ def _every_crash(
     """In a directory made by ``prepare``, kill ``operation`` at each of its lines in turn
     (a fresh directory each time); after each kill what is visible must verify, and after
     ``clean_leftovers`` the directory must hold one of ``allowed`` exactly. Returns the number
-    of lines and the outcomes seen."""
+    of lines and the outcomes seen. The kills run one per CPU at a time, each in its own
+    directory (a line past the end is one more run that finishes)."""
     seen = set()
-    line = 1
+    width = max(1, min(4, len(os.sched_getaffinity(0))))
+    first = 1
     while True:
-        setup = root / f"run{line}"
-        setup.mkdir()
-        prepare(setup)
-        died = _run_killed_at(line, lambda s=setup: operation(s))
-        _visible(setup)  # before any cleaning: nothing damaged under a real name
-        checkpoint.clean_leftovers(setup)
-        after = _visible(setup)
-        assert sorted(p.name for p in setup.iterdir()) == sorted(after), "leftovers remain"
-        assert after in allowed, f"killed at line {line}: {after}"
-        seen.add(tuple(sorted(after.items())))
-        shutil.rmtree(setup)
-        if not died:
-            return line, seen
-        line += 1
+        runs = {}
+        for line in range(first, first + width):
+            setup = root / f"run{line}"
+            setup.mkdir()
+            prepare(setup)
+            runs[line] = setup
+        pids = {
+            line: _start_killed_at(line, lambda s=setup: operation(s))
+            for line, setup in runs.items()
+        }
+        finished = None
+        for line, setup in runs.items():
+            died = _died(pids[line])
+            _visible(setup)  # before any cleaning: nothing damaged under a real name
+            checkpoint.clean_leftovers(setup)
+            after = _visible(setup)
+            assert sorted(p.name for p in setup.iterdir()) == sorted(after), "leftovers remain"
+            assert after in allowed, f"killed at line {line}: {after}"
+            seen.add(tuple(sorted(after.items())))
+            shutil.rmtree(setup)
+            if not died and finished is None:
+                finished = line
+        if finished is not None:
+            return finished, seen
+        first += width
 
 
 @pytest.mark.parametrize("name", ["ckpt", "last", "step=3"])
