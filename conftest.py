@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,14 @@ _TESTS = str(Path(__file__).parent / "tests")
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 pytest_plugins = ["_durations", "_budget"]
+
+# Inductor's compiled code (its FX graph and AOTAutograd caches too) in a directory the suite
+# owns, reused across tests, across processes (every child inherits the variable) and across
+# runs of this checkout: each compile is paid cold once per checkout, not once per machine's
+# /tmp. Set TORCHINDUCTOR_CACHE_DIR yourself to measure a cold run elsewhere.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).parent / ".cache" / "torchinductor")
+)
 
 
 @pytest.fixture(autouse=True)
