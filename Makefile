@@ -22,7 +22,7 @@ TORCH_STAMP := $(VENV)/.torch-installed
 STAMP       := $(VENV)/.installed
 DEMO_STAMP  := $(VENV)/.demo-installed
 
-.PHONY: demo test lint bench docs clean
+.PHONY: demo test check lint bench docs clean
 
 $(TORCH_STAMP):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+# The tier for every change: lint, the type check and every test not marked slow (no rank
+# launch, nothing over about 2 s); `make test` runs them all.
+check: lint
+	$(PY) -m pytest -q -m "not slow"
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site

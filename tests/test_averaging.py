@@ -103,6 +103,7 @@ def test_ema_state_checkpoints_and_loads_as_optimizer_state(tmp_path):
     assert isinstance(state.opt_state, EmaState)
 
 
+@pytest.mark.slow
 def test_ema_step_compiles_and_matches_eager():
     tx = ema_weights(optim.sgd(0.05, momentum=0.9), decay=0.9)
     data = _batches(3)

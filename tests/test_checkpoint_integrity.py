@@ -93,6 +93,7 @@ def test_a_flipped_bit_anywhere_in_meta_json_is_refused(tmp_path, bit):
             checkpoint.read_meta(path)  # what inspect, resume and replay read
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_anywhere_in_tensors_pt_is_refused(tmp_path):
     # every byte: zip headers, the pickle, each tensor's storage, the central directory
     path = _saved(tmp_path)

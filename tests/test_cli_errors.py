@@ -197,6 +197,7 @@ def test_the_table_names_every_trainer_flag_the_cli_exposes():
         assert len(values) >= 3
 
 
+@pytest.mark.slow
 def test_every_wrong_value_of_every_flag_is_one_error_line(project, tmp_path):
     cases = []
     for i, (key, value) in enumerate(CASES):

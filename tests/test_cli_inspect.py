@@ -88,6 +88,7 @@ def _checkpoint(root: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_an_unreadable_file_exits_2_in_one_line(shared_dir):
     how = _unprivileged()
     target = shared_dir / "weights.ckpt"
@@ -96,6 +97,7 @@ def test_an_unreadable_file_exits_2_in_one_line(shared_dir):
     _one_error_line(_inspect(target, cwd=shared_dir, **how), "cannot be read", "ermission")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_in_a_directory_without_permission_exits_2_in_one_line(shared_dir):
     how = _unprivileged()
     ckpt = _checkpoint(shared_dir)

@@ -138,6 +138,7 @@ def _every_crash(
         first += width
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ckpt", "last", "step=3"])
 @pytest.mark.parametrize("how", ["sync", "async"])
 def test_a_replacement_killed_at_any_line_keeps_the_old_or_the_new_checkpoint(tmp_path, name, how):
@@ -151,6 +152,7 @@ def test_a_replacement_killed_at_any_line_keeps_the_old_or_the_new_checkpoint(tm
     assert lines > 20 and seen == {((name, "old"),), ((name, "new"),)}  # both outcomes happened
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["sync", "async"])
 def test_a_new_save_killed_at_any_line_leaves_it_whole_or_absent_and_the_others_intact(
     tmp_path, how
@@ -165,6 +167,7 @@ def test_a_new_save_killed_at_any_line_leaves_it_whole_or_absent_and_the_others_
     assert len(seen) == 2
 
 
+@pytest.mark.slow
 def test_a_deletion_killed_at_any_line_leaves_the_whole_checkpoint_or_nothing(tmp_path):
     lines, seen = _every_crash(
         tmp_path,

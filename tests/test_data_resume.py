@@ -78,6 +78,7 @@ def test_a_sample_is_a_function_of_seed_epoch_and_index_and_leaves_global_rngs_a
     assert not torch.equal(SeededDataset(Augmented(), seed=4)[SampleKey(1, 5)][0], a)
 
 
+@pytest.mark.slow
 def test_resume_with_two_workers_and_augmentation_in_a_fresh_process_is_bitwise(tmp_path):
     ckpt = tmp_path / "ckpt"
     here = str(Path(__file__).parent)
@@ -255,6 +256,7 @@ def test_augmentation_in_a_plain_dataset_is_seeded_from_the_state_and_does_not_d
     assert other_seed.step == 6 and not torch.equal(torch.stack(seen.seen), batches[:6])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["sequential", "shuffle", "sampler"])
 def test_resume_with_two_workers_and_augmentation_in_a_plain_dataset_in_a_fresh_process_is_bitwise(
     tmp_path, order

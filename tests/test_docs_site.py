@@ -105,6 +105,7 @@ def loss_fn(model, batch):
 }
 
 
+@pytest.mark.slow
 def test_the_docs_site_builds_offline_with_warnings_as_errors(tmp_path):
     """``mkdocs build --strict``, with every proxy pointing nowhere: a plugin that fetched
     anything would fail the build. Every public name has its entry in the API reference."""
@@ -155,6 +156,7 @@ def test_every_page_is_in_the_navigation():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if _python(p)], ids=lambda p: p.name)
 def test_every_python_block_of_a_page_runs(page, tmp_path):
     namespace: dict = {"__name__": f"docs.{page.stem}"}

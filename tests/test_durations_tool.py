@@ -29,6 +29,7 @@ GENERATED = textwrap.dedent(
     def test_fork_server_started():  # its start and a cold interpreter's sys.path, once
         import _procs
         _procs.context()
+        _procs._COLD_PATH.clear()  # found again here, whatever the session did before
         _procs._cold_path()
 
     def test_forked():  # from the suite's fork server: forked, not a fresh interpreter

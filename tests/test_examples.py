@@ -28,6 +28,7 @@ def test_hand_written_loop_on_digits_reaches_97_percent(capsys):
     assert "test accuracy" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_trainer_demo_on_digits_reaches_97_percent_and_writes_logs(tmp_path, capsys):
     acc = _load("digits").main(["--epochs", "30", "--seed", "0", "--root", str(tmp_path)])
     assert acc >= 0.97
@@ -44,6 +45,7 @@ def test_trainer_demo_on_digits_reaches_97_percent_and_writes_logs(tmp_path, cap
     assert report.identical and report.steps >= 25, str(report)
 
 
+@pytest.mark.slow
 def test_gan_on_two_moons_learns_and_its_run_replays(tmp_path, capsys):
     out = _load("gan").main(["--epochs", "60", "--seed", "0", "--root", str(tmp_path)])
     # generated points end close to the moons (distances in standard deviations of the data)

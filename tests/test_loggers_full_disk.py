@@ -187,6 +187,7 @@ _WHO = {"csv": "CSVLogger", "tensorboard": "TensorBoardLogger"}
 # ---------------------------------------------------------------------- a real full disk
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kinds", [("csv",), ("tensorboard",), ("csv", "tensorboard")], ids=["csv", "tb", "csv+tb"]
 )

@@ -537,6 +537,7 @@ def test_a_failed_asynchronous_save_keeps_the_checkpoint_it_would_replace(tmp_pa
     assert mc.best_model_path == os.path.join(mc.dirpath, _name(1, 2 * N_BATCHES))
 
 
+@pytest.mark.slow
 def test_a_fit_start_cleans_what_a_crashed_save_left_in_dirpath(tmp_path):
     # as a process killed mid-replacement leaves it: the old checkpoint moved aside under its
     # name, and a half-written one, both by a writer that is gone

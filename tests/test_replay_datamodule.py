@@ -52,6 +52,7 @@ print(trainer.run_dir)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("open_file", [False, True])
 def test_a_lightning_datamodule_run_replays_in_a_fresh_process(tmp_path, open_file):
     script = tmp_path / "train.py"
