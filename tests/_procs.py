@@ -63,6 +63,9 @@ PRELOAD = [
 # take: with one of them set, Popen starts the process cold.
 _COLD_ENV = ("PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDEVMODE", "PYTHONMALLOC", "PYTHONSTARTUP")
 _FLAGS_WITH_VALUE = ("-W", "-X")
+# the signals whose disposition a started process takes from its parent when ignored
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+_SIGNALS += (signal.SIGUSR2, signal.SIGALRM)
 _RUNPY = ("<frozen runpy>", os.path.join(os.path.dirname(os.__file__), "runpy.py"))
 
 
@@ -169,8 +172,10 @@ def _child(
     fds: tuple[int, int, int],
     cold_path: list[str],
     new_session: bool,
+    ignored: list[int],
 ) -> None:
-    """The forked process: become ``python [flags] kind what argv`` and exit as it would."""
+    """The forked process: become ``python [flags] kind what argv`` and exit as it would;
+    ``ignored``: the signals the caller ignores (a process it started would too)."""
     import multiprocessing.process as mp_process
 
     # a main process again, as far as multiprocessing (and what asks it) can tell
@@ -210,8 +215,12 @@ def _child(
     import importlib
 
     importlib.invalidate_caches()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # as exec and python's start: an ignored signal stays ignored, the others are reset;
+    # python then takes SIGINT (unless ignored) as KeyboardInterrupt
+    for number in _SIGNALS:
+        signal.signal(number, signal.SIG_IGN if number in ignored else signal.SIG_DFL)
+    if signal.SIGINT not in ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     import runpy
     import types
@@ -343,7 +352,8 @@ class Popen:
         flags, kind, what, argv = parsed
         where = os.fspath(cwd) if cwd is not None else os.getcwd()
         fds = tuple(_Fd(fd) for fd in child)
-        call = (flags, kind, what, argv, env, where, fds, _cold_path(), start_new_session)
+        ignored = [n for n in _SIGNALS if signal.getsignal(n) == signal.SIG_IGN]
+        call = (flags, kind, what, argv, env, where, fds, _cold_path(), start_new_session, ignored)
         self._process = context().Process(target=_child, args=call, name="python", daemon=False)
         try:
             self._process.start()

@@ -6,9 +6,11 @@ thread, and calls ``fn(rank, *args)`` there; it returns the ranks' results in ra
 that raises fails the call with its traceback; every wait has a deadline, so a hang fails the
 test instead of the suite.
 
-The ranks are forked from the suite's fork server (``_procs.context()``: torch and engine
-imported once per session), not started cold: each is a new process with the environment of
-the call, without the seconds of import. Tests about a launcher start their ranks for real.
+``torchrun(args, n)`` runs a script on ``n`` ranks as torchrun would, for a test that is not
+about torchrun. The ranks are forked from the suite's fork server (``_procs.context()``: torch
+and engine imported once per session), not started cold: each is a new process with the
+environment of the call, without the seconds of import. Tests about a launcher start their
+ranks for real.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -130,3 +135,91 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join(5.0)
+
+
+def torchrun(
+    args: Sequence[Any],
+    nproc: int = 2,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Any = None,
+    timeout: float = 180.0,
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc-per-node=nproc ARGS`` (``ARGS``: a script and its arguments, or
+    ``-m MODULE ...``) for a test that is not about torchrun: the ranks are forked from the
+    suite's fork server (tests/_procs.py) as ``python -u ARGS`` with the variables torchrun's
+    agent gives its workers, and a rank that fails ends the others as the agent does (SIGTERM,
+    then SIGKILL 30 s later). Returns what ``subprocess.run`` would for torchrun itself:
+    exit status 0 when every rank exits 0 (else 1), and every rank's stdout and stderr, in
+    rank order. A test about torchrun (its agent, restarts, its command line) starts it."""
+    import _procs
+
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun, for more than one process
+    port = free_port()
+    outputs = []
+    procs = []
+    try:
+        for rank in range(nproc):
+            rank_env = {
+                **base,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "GROUP_RANK": "0",
+                "ROLE_RANK": str(rank),
+                "ROLE_NAME": "default",
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "ROLE_WORLD_SIZE": str(nproc),
+                "GROUP_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "TORCHELASTIC_RUN_ID": "none",
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0",
+            }
+            out = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in the finally
+            err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+            outputs.append((out, err))
+            procs.append(
+                _procs.Popen(
+                    [sys.executable, "-u", *map(os.fspath, args)],
+                    env=rank_env,
+                    cwd=cwd,
+                    stdout=out,
+                    stderr=err,
+                    text=True,
+                )
+            )
+        deadline = time.monotonic() + timeout
+        stop_by = None  # after a failure: when the survivors are killed
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                raise subprocess.TimeoutExpired(["torchrun", *map(str, args)], timeout)
+            failed = any(p.poll() not in (None, 0) for p in procs)
+            if failed and stop_by is None:
+                stop_by = now + 30.0
+                for p in procs:
+                    p.terminate()
+            if stop_by is not None and now > stop_by:
+                for p in procs:
+                    p.kill()
+            time.sleep(0.05)
+        code = 0 if all(p.returncode == 0 for p in procs) else 1
+        texts = []
+        for out, err in outputs:
+            out.seek(0)
+            err.seek(0)
+            texts.append((out.read(), err.read()))
+        stdout = "".join(t[0] for t in texts)
+        stderr = "".join(t[1] for t in texts)
+        return subprocess.CompletedProcess(["torchrun", *map(str, args)], code, stdout, stderr)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for out, err in outputs:
+            out.close()
+            err.close()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _ranks import free_port
+from _ranks import free_port, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _torchrun(script: Path, args: dict, *, nproc: int = 2, timeout: float = 180):
+def _torchrun(
+    script: Path, args: dict, *, nproc: int = 2, timeout: float = 180, real: bool = False
+):
+    """The script on ``nproc`` ranks: under torchrun itself (``real``: the tests about running
+    under torchrun), or on ranks forked as torchrun's workers (``_ranks.torchrun``)."""
+    if not real:
+        return torchrun([script, json.dumps(args)], nproc, env=_env(), timeout=timeout)
     cmd = [
         sys.executable,
         "-m",
@@ -170,7 +176,7 @@ def test_ddp_under_torchrun_trains_as_one_process_on_the_whole_batch(tmp_path):
     _ok(
         _python(script, {**common, "devices": 1, "batch": 16, "root": str(one), "strategy": "auto"})
     )
-    proc = _torchrun(script, {**common, "devices": 2, "batch": 8, "root": str(two)})
+    proc = _torchrun(script, {**common, "devices": 2, "batch": 8, "root": str(two)}, real=True)
     _ok(proc)
     a, b = _final(one), _final(two)
     assert a["step"] == b["step"] == 10 and b["world_size"] == 2

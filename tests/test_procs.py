@@ -89,3 +89,19 @@ def test_what_a_fork_cannot_take_starts_cold():
     assert isinstance(p, subprocess.Popen) and p.wait(60) == 0
     p = _procs.Popen(["true"])
     assert isinstance(p, subprocess.Popen) and p.wait(60) == 0
+
+
+@pytest.mark.parametrize("disposition", ["ignored", "default"])
+def test_the_callers_ignored_signals_stay_ignored_as_through_exec(disposition):
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGINT); print('alive')"
+    args = [sys.executable, "-c", code]
+    before = signal.signal(
+        signal.SIGINT, signal.SIG_IGN if disposition == "ignored" else signal.default_int_handler
+    )
+    try:
+        kw = dict(capture_output=True, text=True, timeout=60)
+        forked, cold = _procs.run(args, **kw), subprocess.run(args, **kw)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert forked.returncode == cold.returncode == (0 if disposition == "ignored" else -2)
+    assert forked.stdout == cold.stdout
