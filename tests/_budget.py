@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-SHARE = 0.04  # of the run's test time, per file, without a marker
+SHARE = 0.05  # of the run's test time, per file, without a marker
 _KEY = pytest.StashKey[dict[str, Any]]()
 
 

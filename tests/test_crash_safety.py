@@ -31,7 +31,14 @@ import engine as eg
 from engine import _ckpt_files, _meta, checkpoint, optim
 
 KILLED = 77
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+pytestmark = [
+    pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork"),
+    pytest.mark.budget(
+        share=0.14,
+        why="a kill at every line of nine save, replace and delete paths: about a thousand "
+        "forked children, each directory verified and cleaned after (60-80 s)",
+    ),
+]
 
 
 def _state(scale: float) -> eg.TrainState:

@@ -31,7 +31,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.budget(
+        share=0.07,
+        why="SIGTERMs at random moments on random ranks, and waits that must run out their "
+        "3-4 s timeouts while a peer stalls or never starts (30 s)",
+    ),
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 
