@@ -9,8 +9,9 @@ each instant the time goes to one cause, the first of these, in this order, that
 nested time is counted once: a Lightning fit or a compile inside a child process is the child's,
 a compile inside a Lightning fit in the test's own process is the compile's.
 
-- ``ranks``: a rank launch: ``_ranks.run_ranks`` from its call to its return, or a child process
-  whose argv runs ``torchrun`` or ``torch.distributed.run``/``launch``, or a Python child given
+- ``ranks``: a rank launch: ``_ranks.run_ranks`` or ``_ranks.torchrun`` from its call to its
+  return, or a child process whose argv runs ``torchrun`` or
+  ``torch.distributed.run``/``launch``, or a Python child given
   ``MASTER_PORT``/``NODE_RANK``/``WORLD_SIZE`` in its ``env=`` (a node started by hand), while
   it lives. A script that launches its own ranks (engine's self-launch) is an interpreter: the
   parent does not see inside it.
@@ -416,7 +417,7 @@ def _wrap_ranks(module: Any) -> None:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         inner = timed(original)
 
-        def run_ranks(*a: Any, **kw: Any) -> Any:
+        def launch(*a: Any, **kw: Any) -> Any:
             global _rank_depth
             _rank_depth += 1
             try:
@@ -424,9 +425,11 @@ def _wrap_ranks(module: Any) -> None:
             finally:
                 _rank_depth -= 1
 
-        return run_ranks
+        return launch
 
     _patch(module, "run_ranks", make)
+    if hasattr(module, "torchrun"):
+        _patch(module, "torchrun", make)
 
 
 def _wrap_lightning(module: Any) -> None:

@@ -51,6 +51,7 @@ GENERATED = textwrap.dedent(
         assert importlib.util.find_spec("_ranks")  # a look before the import: still wrapped
         import _ranks
         assert _ranks.run_ranks(print, 0) == []  # no rank: a launch that starts nothing
+        assert _ranks.torchrun(["x.py"], 0).returncode == 0  # its script on no rank, too
 
     def test_a_patched_run_is_the_tests_own(monkeypatch):
         calls = []
@@ -126,7 +127,7 @@ def test_torchrun_a_node_and_run_ranks_are_rank_launches_not_interpreters(measur
     _only(measured[1]["test_node"], "ranks", {"rank_launches": 1})
     _only(torchrun, "ranks", {"rank_launches": 1})
     assert torchrun["by_cause"]["ranks"] >= 0.3
-    _only(ranks, "ranks", {"rank_launches": 1})
+    _only(ranks, "ranks", {"rank_launches": 2})  # run_ranks and _ranks.torchrun
     assert ranks["by_cause"]["ranks"] > 0
 
 
@@ -169,7 +170,7 @@ def test_the_report_prints_the_total_the_slowest_the_causes_and_the_files(measur
         assert section in text, text
     slowest = text.split("slowest 2 tests")[1].split("time per file")[0]
     assert "test_child" in slowest and "test_own" not in slowest
-    assert "3 launches" in text and "3 fresh interpreters" in text, text
+    assert "4 launches" in text and "3 fresh interpreters" in text, text
     assert "1 forked from the fork server" in text, text
     assert text.rstrip().endswith("test_generated.py")
 
