@@ -47,7 +47,7 @@ def _state(scale: float) -> eg.TrainState:
     return state.replace(params={k: v * scale for k, v in state.params.items()})
 
 
-OLD, NEW = _state(1.0), _state(2.0)
+OLD, NEW, TEMPLATE = _state(1.0), _state(2.0), _state(0.0)
 PRINTS = {OLD.fingerprint(): "old", NEW.fingerprint(): "new"}
 TRACED = {checkpoint.__file__, _ckpt_files.__file__, _meta.__file__, shutil.__file__}
 
@@ -99,7 +99,7 @@ def _visible(root: Path) -> dict[str, str]:
             continue
         info = checkpoint.inspect(p)
         assert info["verified"], f"{p.name} is visible and damaged: {info['problem']}"
-        found[p.name] = PRINTS[checkpoint.load(p, _state(0.0)).fingerprint()]
+        found[p.name] = PRINTS[checkpoint.load(p, TEMPLATE).fingerprint()]
     return found
 
 
@@ -113,36 +113,36 @@ def _every_crash(
     (a fresh directory each time); after each kill what is visible must verify, and after
     ``clean_leftovers`` the directory must hold one of ``allowed`` exactly. Returns the number
     of lines and the outcomes seen. The kills run one per CPU at a time, each in its own
-    directory (a line past the end is one more run that finishes)."""
+    directory, the directories of one batch checked while the next batch runs (the lines past
+    the end are more runs that finish)."""
     seen = set()
     width = max(1, min(4, len(os.sched_getaffinity(0))))
-    first = 1
+    finished = None  # the first line the operation got past: it finished
+    running: list[tuple[int, Path, int]] = []
+    line = 1
     while True:
-        runs = {}
-        for line in range(first, first + width):
+        started = []
+        while finished is None and len(started) < width:
             setup = root / f"run{line}"
             setup.mkdir()
             prepare(setup)
-            runs[line] = setup
-        pids = {
-            line: _start_killed_at(line, lambda s=setup: operation(s))
-            for line, setup in runs.items()
-        }
-        finished = None
-        for line, setup in runs.items():
-            died = _died(pids[line])
+            started.append((line, setup, _start_killed_at(line, lambda s=setup: operation(s))))
+            line += 1
+        for n, setup, pid in running:  # the batch before, checked while this one runs
+            died = _died(pid)
             _visible(setup)  # before any cleaning: nothing damaged under a real name
             checkpoint.clean_leftovers(setup)
             after = _visible(setup)
             assert sorted(p.name for p in setup.iterdir()) == sorted(after), "leftovers remain"
-            assert after in allowed, f"killed at line {line}: {after}"
+            assert after in allowed, f"killed at line {n}: {after}"
             seen.add(tuple(sorted(after.items())))
             shutil.rmtree(setup)
             if not died and finished is None:
-                finished = line
-        if finished is not None:
+                finished = n
+        if not started:
+            assert finished is not None
             return finished, seen
-        first += width
+        running = started
 
 
 @pytest.mark.slow
