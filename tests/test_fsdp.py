@@ -31,9 +31,10 @@ from test_ddp import _data, _loss, _tx  # the same data, loss and optimizer as D
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.budget(
-        share=0.15,
+        share=0.18,
         why="FSDP against DDP and one process on 2 ranks, three of them compiled (the traced "
-        "gathers and reduce-scatters): 54 s with a warm Inductor cache, 94 s cold",
+        "gathers and reduce-scatters): 54 s with a warm Inductor cache, 81-94 s cold (13% of "
+        "a clean clone's run)",
     ),
 ]
 
