@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 import pathlib
+import re
 from datetime import timedelta
 
 import pytest
@@ -258,8 +259,10 @@ def _cases(table: dict[str, list[object]]) -> list[tuple[str, object]]:
 
 
 def _id(case: tuple[str, object]) -> str:
+    """The case's test id, the same in every process (no object's address in it: pytest-xdist's
+    workers must collect the same ids)."""
     flag, value = case
-    return f"{flag}={value!r}"[:60]
+    return re.sub(r" at 0x[0-9a-f]+", "", f"{flag}={value!r}")[:60]
 
 
 def test_every_trainer_flag_has_bad_and_good_values():
