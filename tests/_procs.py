@@ -19,7 +19,7 @@ When to use which (every helper that starts processes for the tests is in this f
 - ``_procs.run`` / ``_procs.Popen``: a test that needs *a* new process (a resume in a new
   process, a process killed at a random moment, the ``engine`` command's exit codes and
   output). The default.
-- ``subprocess`` with ``sys.executable`` (``COLD``): what only a cold start shows: the
+- ``subprocess`` with ``sys.executable``: what only a cold start shows: the
   installed ``engine`` script, ``torchrun``, engine's own launchers (they start their ranks
   with ``sys.executable``), an environment that must be read when torch is imported (a
   ``PYTHONHASHSEED``, ``PYTHONWARNINGS``, interpreter flags this module does not know). ``Popen``
@@ -45,7 +45,6 @@ from multiprocessing import reduction
 from typing import Any
 
 PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
-COLD = "cold"  # run(..., start=COLD): a real interpreter start, for what only that shows
 
 # What every forked process has imported already: what nearly every child imports first.
 PRELOAD = [
@@ -298,7 +297,7 @@ class Popen:
     def __new__(cls, args: Sequence[Any], **kwargs: Any) -> Any:
         env = kwargs.get("env")
         parsed = _parse(args)
-        cold = kwargs.pop("start", None) == COLD or parsed is None
+        cold = parsed is None
         cold = cold or any(k in (os.environ if env is None else env) for k in _COLD_ENV)
         if cold or set(kwargs) - _KNOWN:
             return subprocess.Popen(args, **kwargs)
@@ -318,7 +317,6 @@ class Popen:
         cwd: Any = None,
         env: Mapping[str, str] | None = None,
         start_new_session: bool = False,
-        start: str | None = None,
     ) -> None:
         parsed = _parse(args)
         assert parsed is not None
@@ -486,4 +484,4 @@ def python(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
     return run([sys.executable, *map(os.fspath, args)], **kwargs)
 
 
-__all__ = ["COLD", "DEVNULL", "PIPE", "STDOUT", "Popen", "context", "python", "run"]
+__all__ = ["DEVNULL", "PIPE", "STDOUT", "Popen", "context", "python", "run"]
