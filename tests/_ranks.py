@@ -54,8 +54,19 @@ def _load(data: bytes) -> Any:
 
 
 def _entry(
-    fn: Callable[..., Any], rank: int, world: int, port: int, out: Any, args: tuple, env: dict
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    out: Any,
+    args: tuple,
+    env: dict,
+    streams: tuple[int, int],
 ) -> None:
+    # the caller's stdout and stderr now (a test's captured output), not the fork server's
+    for target, fd in zip((1, 2), streams, strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(env)  # the caller's, at the call: a forked process has the server's
     os.environ.update(
@@ -67,8 +78,13 @@ def _entry(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
     )
+    import faulthandler
+
     import torch
 
+    # a rank that dies of a fatal signal (SIGSEGV, SIGABRT: heap corruption in a library)
+    # leaves every thread's Python stack in the test's output
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     try:
         result = fn(rank, *args)
@@ -92,8 +108,11 @@ def run_ranks(
     out = ctx.Queue()
     port = free_port()
     environ = {**os.environ, **(env or {})}
+    streams = (_procs._Fd(1), _procs._Fd(2))
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, out, args, environ), daemon=True)
+        ctx.Process(
+            target=_entry, args=(fn, r, world, port, out, args, environ, streams), daemon=True
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -177,6 +196,7 @@ def torchrun(
                 "TORCHELASTIC_RUN_ID": "none",
                 "TORCHELASTIC_RESTART_COUNT": "0",
                 "TORCHELASTIC_MAX_RESTARTS": "0",
+                "PYTHONFAULTHANDLER": "1",  # a fatal signal leaves the Python stacks
             }
             out = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in the finally
             err = tempfile.TemporaryFile("w+")  # noqa: SIM115

@@ -105,3 +105,22 @@ def test_the_callers_ignored_signals_stay_ignored_as_through_exec(disposition):
         signal.signal(signal.SIGINT, before)
     assert forked.returncode == cold.returncode == (0 if disposition == "ignored" else -2)
     assert forked.stdout == cold.stdout
+
+
+def _abort_on_rank_1(rank: int) -> int:
+    if rank == 1:
+        os.abort()  # as glibc does on a corrupted heap ("free(): invalid size")
+    return rank
+
+
+def test_a_rank_killed_by_a_fatal_signal_leaves_its_python_stack(capfd, tmp_path):
+    from _ranks import run_ranks, torchrun
+
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] died"):
+        run_ranks(_abort_on_rank_1, 2, timeout=60)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "_abort_on_rank_1" in err, err
+    script = tmp_path / "abort.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    os.abort()\n")
+    done = torchrun([script], 2, timeout=60)
+    assert done.returncode == 1 and "Fatal Python error: Aborted" in done.stderr, done
