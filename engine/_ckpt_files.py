@@ -169,14 +169,15 @@ def _replaceable(target: Path) -> None:
 
     The target is looked at once (``lstat``, then its names): a pending asynchronous save to the
     same path may move the old checkpoint aside at any instant, and a directory gone by the
-    time it is listed was a checkpoint being replaced.
+    time it is listed was a checkpoint being replaced; so was one listed without its
+    ``meta.json`` while it was being deleted aside (the path then names another directory).
     """
     try:
-        mode: int | None = os.lstat(target).st_mode
+        first = os.lstat(target)
     except OSError:  # not there (or its parent is no directory: refused below)
-        mode = None
-    if mode is not None:
-        if not stat.S_ISDIR(mode):  # a file, or a symbolic link
+        first = None
+    if first is not None:
+        if not stat.S_ISDIR(first.st_mode):  # a file, or a symbolic link
             raise CheckpointError(
                 f"{target} exists and is not a checkpoint directory; engine replaces only "
                 "checkpoints: save to another path, or remove it yourself"
@@ -184,6 +185,10 @@ def _replaceable(target: Path) -> None:
         try:
             names = os.listdir(target)
         except FileNotFoundError:  # moved aside meanwhile by the write replacing it
+            names = [META]
+        if names and META not in names and _replaced_since(target, first):
+            # listed while a pending write moved it aside and deleted it (its meta.json
+            # first): what stood there was a checkpoint, replaced meanwhile
             names = [META]
         if names and META not in names:
             raise CheckpointError(
@@ -194,6 +199,15 @@ def _replaceable(target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"cannot create the directory of checkpoint {target}: {e}") from e
+
+
+def _replaced_since(target: Path, first: os.stat_result) -> bool:
+    """Whether ``target`` is no longer the directory ``first`` described (gone, or another)."""
+    try:
+        now = os.lstat(target)
+    except OSError:
+        return True
+    return (now.st_dev, now.st_ino) != (first.st_dev, first.st_ino)
 
 
 def _publish(claim: _Claim, tmp: Path, target: Path) -> None:

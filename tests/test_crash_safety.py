@@ -218,6 +218,35 @@ def test_a_save_to_a_path_a_pending_write_is_replacing_is_not_refused(tmp_path, 
         checkpoint._replaceable(tmp_path / "data")
 
 
+def test_a_save_to_a_path_listed_while_its_old_checkpoint_is_deleted_aside_is_not_refused(
+    tmp_path, monkeypatch
+):
+    """The main thread's check of an asynchronous save to "last" lists the old "last" while the
+    writer thread replaces it: renames it aside, puts the new one in place, deletes the old one
+    (its meta.json first), so the listing may hold its files without meta.json. The path names
+    another directory by then: it was a checkpoint being replaced (a full-suite run met this)."""
+    state = eg.TrainState.create(nn.Linear(3, 2), optim.sgd(0.1))
+    target = checkpoint.save(state, tmp_path / "last")
+    fresh = checkpoint.save(state, tmp_path / "fresh")
+    listdir = os.listdir
+
+    def replaced_while_listed(path):
+        names = listdir(path)
+        if Path(path) == target:
+            os.replace(target, tmp_path / "aside")
+            os.replace(fresh, target)
+            return [n for n in names if n != "meta.json"]  # read as the deletion went on
+        return names
+
+    monkeypatch.setattr(os, "listdir", replaced_while_listed)
+    checkpoint._replaceable(target)  # no error
+    monkeypatch.setattr(os, "listdir", listdir)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("mine")  # the same listing, nothing replaced
+    with pytest.raises(checkpoint.CheckpointError, match=r"no meta\.json, not a checkpoint"):
+        checkpoint._replaceable(tmp_path / "data")
+
+
 # --------------------------------------------------------------------------- random SIGKILLs
 
 _FIT = textwrap.dedent("""
