@@ -185,12 +185,10 @@ def _replaceable(target: Path) -> None:
         try:
             names = os.listdir(target)
         except FileNotFoundError:  # moved aside meanwhile by the write replacing it
-            names = [META]
-        if names and META not in names and _replaced_since(target, first):
-            # listed while a pending write moved it aside and deleted it (its meta.json
-            # first): what stood there was a checkpoint, replaced meanwhile
-            names = [META]
-        if names and META not in names:
+            names = []
+        # a listing without meta.json of a directory the path no longer names was read while a
+        # pending write moved it aside and deleted it (meta.json first): a checkpoint, replaced
+        if names and META not in names and not _replaced_since(target, first):
             raise CheckpointError(
                 f"{target} is a directory with files but no {META}, not a checkpoint; engine "
                 "replaces only checkpoints (and empty directories): save to another path"
