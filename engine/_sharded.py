@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from engine import _meta, _shard_index, _watchdog
+from engine import _meta, _shard_index
 from engine._checksum import _checksum, _start_checksum
 from engine._ckpt_files import (
     META,
@@ -59,6 +59,7 @@ from engine._ckpt_files import (
 from engine._meta import SHARDED, SHARDS
 from engine.errors import CheckpointError
 from engine.optim.base import state_dict as opt_state_dict
+from engine.parallel import _watchdog
 from engine.state import TrainState
 
 __all__: list[str] = []

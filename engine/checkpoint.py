@@ -1656,6 +1656,8 @@ class CheckpointIO:
         ...         return out
     """
 
+    plugin_kind = "checkpoint IO"  # its kind among Trainer(plugins=[...])
+
     def save(self, state: TrainState, path: str | os.PathLike[str], **kwargs: Any) -> Path:
         """:func:`save` (``metrics``, ``extra``, ``fingerprint``, ``weights_only``,
         ``rank_grad_accum``)."""

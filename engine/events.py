@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
     from pathlib import Path
 
-    from engine.loop.config import LoopConfig
+    from engine.plan.config import LoopConfig
     from engine.state import TrainState
     from engine.task import Task
 
@@ -149,7 +149,7 @@ class RunView:
         num_test_batches: test batches per dataloader.
         num_predict_batches: prediction batches per dataloader.
         should_stop: whether a listener has asked to stop (:class:`Stop`) in an earlier event.
-        config: the Trainer's flags as resolved (:class:`~engine.loop.LoopConfig`):
+        config: the Trainer's flags as resolved (:class:`~engine.plan.LoopConfig`):
             ``config.max_epochs``, ``config.log_every_n_steps``, ``config.fast_dev_run``, ...
             (``None`` only in a view built by hand, for a test).
         callback_metrics: the latest host-side metrics, by name (what ``rec.metrics`` holds).

@@ -36,8 +36,6 @@ import attrs
 import torch
 from torch import Tensor
 
-from engine import _watchdog
-
 __all__ = [
     "STAGES",
     "LogOptions",
@@ -178,16 +176,14 @@ class _TorchDistributedSync:
             raise ValueError(f"all_reduce(op={op!r}): pass one of {', '.join(_OPS)}")
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         out = tensor.to(self.device, copy=True)  # never the caller's tensor, reduced in place
-        with _watchdog.guard("the metrics' reduction over the ranks"):
-            dist.all_reduce(out, op=reduce_op[op], group=self.group)
+        dist.all_reduce(out, op=reduce_op[op], group=self.group)
         return out
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world_size
-        with _watchdog.guard("the metrics' exchange of names over the ranks"):
-            dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def __repr__(self) -> str:

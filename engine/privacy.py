@@ -201,6 +201,8 @@ class DPSGD(Transform):
         (1.1, 1)
     """
 
+    plugin_kind = "privacy"
+
     reads_extra = (KEY,)
 
     def __init__(

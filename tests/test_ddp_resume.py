@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_ddp_trainer import _final, _ok, _python, _torchrun
 
 import engine as eg
-from engine import _resume, checkpoint, optim
-from engine.loop.progress import Progress
+from engine import checkpoint, optim
+from engine.parallel import positions
 
 N = 160  # samples; with batch 8: 10 batches per rank on 2 ranks, 20 on one
 
@@ -263,47 +263,47 @@ def test_check_world_refuses_a_window_without_every_ranks_sum(tmp_path):
         "extra": {"trainer": {"world_size": 2}},
     }
     with pytest.raises(checkpoint.CheckpointError, match=r"world size 2.*world size 4"):
-        _resume.check_world(tmp_path, meta, world_size=4, accumulate=2)
+        positions.check_world(tmp_path, meta, world_size=4, accumulate=2)
     with pytest.raises(checkpoint.CheckpointError, match="of 1 rank"):
-        _resume.check_world(tmp_path, meta, world_size=2, accumulate=2)
-    _resume.check_world(tmp_path, {**meta, "grad_accum_ranks": 2}, world_size=2, accumulate=2)
-    _resume.check_world(tmp_path, {**meta, "micro_step": 0}, world_size=4, accumulate=2)
+        positions.check_world(tmp_path, meta, world_size=2, accumulate=2)
+    positions.check_world(tmp_path, {**meta, "grad_accum_ranks": 2}, world_size=2, accumulate=2)
+    positions.check_world(tmp_path, {**meta, "micro_step": 0}, world_size=4, accumulate=2)
 
 
 def test_carry_position_converts_the_rank_local_batch_index():
     state = eg.TrainState.create(torch.nn.Linear(2, 1), optim.sgd(0.1)).replace(batch_idx=6)
-    progress = Progress(total_batch_idx=26)  # 20 batches of an earlier epoch, then 6
-    s, p = _resume.carry_position(
-        Path("c"), state, progress, {"world_size": 1, "position_unit": 8}, world_size=2, unit=8
+    total = 26  # 20 batches of an earlier epoch, then 6
+    s, p = positions.carry_position(
+        Path("c"), state, total, {"world_size": 1, "position_unit": 8}, world_size=2, unit=8
     )
-    assert (s.batch_idx, p.total_batch_idx) == (3, 23)
-    s, p = _resume.carry_position(
-        Path("c"), state, progress, {"world_size": 2, "position_unit": 8}, world_size=2, unit=8
+    assert (s.batch_idx, p) == (3, 23)
+    s, p = positions.carry_position(
+        Path("c"), state, total, {"world_size": 2, "position_unit": 8}, world_size=2, unit=8
     )
-    assert s is state and p is progress
+    assert s is state and p == total
     with pytest.raises(checkpoint.CheckpointError, match=r"N=48 .*world size 4"):
-        _resume.carry_position(
+        positions.carry_position(
             Path("c"),
             state,
-            progress,
+            total,
             {"world_size": 1, "position_unit": 8},
             world_size=4,
             unit=8,
         )
     with pytest.raises(checkpoint.CheckpointError, match="stateful loader"):
-        _resume.carry_position(
+        positions.carry_position(
             Path("c"),
             state,
-            progress,
+            total,
             {"world_size": 2, "position_unit": 8, "data_state": {"batches": 6}},
             world_size=1,
             unit=8,
         )
     with pytest.raises(checkpoint.CheckpointError, match="cannot be carried over"):
-        _resume.carry_position(
+        positions.carry_position(
             Path("c"),
             state,
-            progress,
+            total,
             {"world_size": 1, "position_unit": None},
             world_size=2,
             unit=None,
@@ -313,11 +313,11 @@ def test_carry_position_converts_the_rank_local_batch_index():
 def test_position_unit_is_what_a_rank_batch_advances_the_global_position_by():
     from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-    assert _resume.position_unit(DataLoader(range(10), batch_size=4)) == 4
+    assert positions.position_unit(DataLoader(range(10), batch_size=4)) == 4
     custom = type("Custom", (BatchSampler,), {})(SequentialSampler(range(10)), 3, False)
-    assert _resume.position_unit(DataLoader(range(10), batch_sampler=custom)) == 1
-    assert _resume.position_unit([1, 2, 3]) is None
-    assert _resume.position_unit(DataLoader(range(10), batch_size=None)) is None
+    assert positions.position_unit(DataLoader(range(10), batch_sampler=custom)) == 1
+    assert positions.position_unit([1, 2, 3]) is None
+    assert positions.position_unit(DataLoader(range(10), batch_size=None)) is None
 
 
 # ---------------------------------------------------------------- replay of a DDP run

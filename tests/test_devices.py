@@ -97,7 +97,7 @@ def test_more_than_one_device_is_one_process_each_under_ddp(
 
     machine(cuda=2)
     trainer = eg.Trainer(accelerator=accelerator, devices=devices, **QUIET)
-    assert isinstance(trainer._strategy, DDP)
+    assert isinstance(trainer.assembly.strategy, DDP)
     assert trainer.num_devices == len(names) and trainer.world_size == len(names)
     assert str(trainer.root_device) == names[0] and trainer.is_global_zero
     monkeypatch.setenv("LOCAL_RANK", "1")  # as the launcher sets it in the second process

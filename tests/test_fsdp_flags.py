@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import engine as eg
-from engine import _config as cfg
+from engine.driver import _checks as cfg
 from engine.parallel import DeepSpeedStrategy
 from engine.parallel.fsdp import FSDP
 from engine.parallel.select import STRATEGIES, select_strategy
@@ -86,14 +86,14 @@ def test_fsdp_names_are_lightnings_defaults(name):
 
 def test_fsdp_on_one_process_is_still_fsdp_as_lightning_runs_it():
     trainer = _trainer(strategy="fsdp", devices=1)
-    assert type(trainer._strategy) is FSDP and trainer.world_size == 1
+    assert type(trainer.assembly.strategy) is FSDP and trainer.world_size == 1
     assert trainer.config.strategy == "fsdp"
 
 
 def test_trainer_takes_fsdp_on_two_devices_with_sync_batchnorm():
     trainer = _trainer(strategy="fsdp", devices=2, sync_batchnorm=True)
-    assert isinstance(trainer._strategy, FSDP) and trainer.world_size == 2
-    assert trainer._strategy.sync_batchnorm and trainer._strategy.devices == CPU2
+    assert isinstance(trainer.assembly.strategy, FSDP) and trainer.world_size == 2
+    assert trainer.assembly.strategy.sync_batchnorm and trainer.assembly.strategy.devices == CPU2
 
 
 @pytest.mark.parametrize("name", ["dp", "xla", "xla_fsdp"])
@@ -188,8 +188,8 @@ def test_config_keys_with_an_equivalent_set_the_trainers_flags():
     assert trainer.gradient_clip_val == 0.5 and trainer.gradient_clip_algorithm == "norm"
     assert trainer.accumulate_grad_batches == 4
     assert trainer.config.strategy == "DeepSpeedStrategy"
-    assert type(trainer._precision).__name__ == "MixedPrecision"
-    assert trainer._precision.dtype == torch.bfloat16
+    assert type(trainer.assembly.precision).__name__ == "MixedPrecision"
+    assert trainer.assembly.precision.dtype == torch.bfloat16
 
 
 def test_fp16_is_16_mixed_and_auto_leaves_the_flag():

@@ -24,6 +24,7 @@ from torch import nn
 
 import engine as eg
 from engine import optim
+from engine.driver.resolve import resolve
 from engine.events import Emitter, Event, EventRecord, Log, RunView, Stop
 from engine.listeners import (
     EarlyStopping,
@@ -37,7 +38,6 @@ from engine.listeners import (
 )
 from engine.listeners import timer as timer_module
 from engine.listeners.summary import _readable
-from engine.loop.flags import resolve
 
 # ---------------------------------------------------------------------- a fake fit loop
 

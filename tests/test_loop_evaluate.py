@@ -1,5 +1,5 @@
 """The evaluation loops (``engine/loop/evaluate.py``) on their services alone, and the two seams
-a strategy fills: every loader list through ``Trainer._prepare_loaders`` before it is counted,
+a strategy fills: every loader list through ``Run.prepare_loaders`` before it is counted,
 every evaluation epoch's metrics through ``EvalServices.compute``."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import engine as eg
-import engine.trainer
+import engine.driver.services
 from engine import optim
+from engine.driver.run import Run
 from engine.events import Event
 from engine.loop import Phase, Progress
 from engine.loop.evaluate import evaluate, predict, sanity_check
@@ -125,44 +126,46 @@ class _Data:
     val_dataloader = test_dataloader = predict_dataloader = train_dataloader
 
 
-class _Halving(eg.Trainer):
-    """A strategy-like seam: each loader keeps its first half of batches."""
+def _halving(monkeypatch) -> list[str]:
+    """A strategy-like seam: each loader keeps its first half of batches; the stages whose
+    loaders passed it, in order."""
+    prepared: list[str] = []
 
-    def __init__(self, **flags) -> None:
-        super().__init__(**flags)
-        self.prepared: list[str] = []
-
-    def _prepare_loaders(self, stage, loaders):
-        self.prepared.append(stage)
+    def prepare_loaders(self, stage, loaders):
+        prepared.append(stage)
         return [list(loader)[: len(loader) // 2] for loader in loaders]
 
+    monkeypatch.setattr(Run, "prepare_loaders", prepare_loaders)
+    return prepared
 
-def test_every_loader_list_passes_the_loader_seam_before_it_is_counted():
-    trainer = _Halving(max_epochs=3, reload_dataloaders_every_n_epochs=1, **QUIET)
+
+def test_every_loader_list_passes_the_loader_seam_before_it_is_counted(monkeypatch):
+    prepared = _halving(monkeypatch)
+    trainer = eg.Trainer(max_epochs=3, reload_dataloaders_every_n_epochs=1, **QUIET)
     task, dm = _task(), _Data()
     state = trainer.fit(task, task.init(torch.nn.Linear(3, 1)), datamodule=dm)
     # the sanity check's loaders first, the training loader, then each epoch's reloads
-    assert trainer.prepared == ["val", "train", "train", "val", "train", "val"]
+    assert prepared == ["val", "train", "train", "val", "train", "val"]
     assert trainer.num_training_batches == 2 and trainer.num_val_batches == [2]
     assert state.step == 6  # 3 epochs of the 2 batches left
     trainer.validate(task, state, datamodule=dm, verbose=False)
     trainer.test(task, state, datamodule=dm, verbose=False)
     outputs = trainer.predict(task, state, datamodule=dm)
-    assert trainer.prepared[6:] == ["val", "test", "predict"]
+    assert prepared[6:] == ["val", "test", "predict"]
     assert (trainer.num_val_batches, trainer.num_test_batches) == ([2], [2])
     assert trainer.num_predict_batches == [2] and len(outputs) == 2
 
 
 def test_every_evaluation_epochs_metrics_pass_the_compute_seam(monkeypatch):
     calls: list[dict[str, float]] = []
-    compute = engine.trainer._EvalRun.compute
+    compute = engine.driver.services.EvalServices.compute
 
     def offset(self, reducer):
         out = {k: v + 100.0 for k, v in compute(self, reducer).items()}
         calls.append(out)
         return out
 
-    monkeypatch.setattr(engine.trainer._EvalRun, "compute", offset)
+    monkeypatch.setattr(engine.driver.services.EvalServices, "compute", offset)
     trainer = eg.Trainer(max_epochs=2, num_sanity_val_steps=1, **QUIET)
     task, dm = _task(), _Data()
     state = trainer.fit(task, task.init(torch.nn.Linear(3, 1)), datamodule=dm)

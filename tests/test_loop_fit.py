@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 import engine as eg
 from engine import optim, transforms
+from engine.driver.resolve import resolve
 from engine.events import Event
 from engine.loop import Phase, Progress
 from engine.loop.fit import fit
-from engine.loop.flags import resolve
 from engine.metrics import MetricReducer
 
 

@@ -75,8 +75,8 @@ def _poison(data, at):
 def test_lightnings_precision_values_and_aliases_resolve_to_their_transform(flag, name, kind):
     trainer = eg.Trainer(precision=flag, **QUIET)
     assert trainer.precision == name  # Lightning's trainer.precision: the canonical name
-    assert isinstance(trainer._precision, kind)
-    assert repr(transforms.precision_transform(flag)) == repr(trainer._precision)
+    assert isinstance(trainer.assembly.precision, kind)
+    assert repr(transforms.precision_transform(flag)) == repr(trainer.assembly.precision)
 
 
 def test_transformer_engine_without_the_package_says_what_to_install():

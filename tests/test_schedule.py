@@ -26,8 +26,9 @@ from torch import nn
 
 import engine as eg
 from engine import checkpoint, optim
-from engine.loop import LoopConfig, Phase, schedule
-from engine.loop.flags import resolve
+from engine.driver.resolve import resolve
+from engine.plan import LoopConfig, Phase, schedule
+from engine.plan.flags import Flags
 
 INF = math.inf
 QUIET = {"enable_progress_bar": False, "enable_model_summary": False, "logger": False}
@@ -392,9 +393,18 @@ def test_a_phase_reads_back_from_its_checkpoint_value(phase):
         Phase.parse("between_batches")
 
 
-def test_resolve_takes_the_trainers_flags_with_its_defaults():
-    trainer = inspect.signature(eg.Trainer.__init__).parameters
-    flags = inspect.signature(resolve).parameters
-    assert [(p.name, p.default) for p in flags.values()] == [
-        (p.name, p.default) for p in trainer.values() if p.name != "self"
+def test_the_trainers_signature_is_the_flag_table():
+    """One table of the flags (``engine.plan.flags.Flags``): the Trainer's explicit signature
+    (for IDEs and jsonargparse) has its names, defaults and annotations, in its order; the
+    resolution takes it; every resolved field is a read-only attribute of the Trainer."""
+    given = [p for p in inspect.signature(eg.Trainer.__init__).parameters.values()][1:]
+    assert all(p.kind is p.KEYWORD_ONLY for p in given)
+    assert [(p.name, p.default, p.annotation) for p in given] == [
+        (f.name, f.default, f.type) for f in attrs.fields(Flags)
     ]
+    assert resolve(Flags(max_steps=7)) == resolve(max_steps=7)
+    trainer = eg.Trainer(max_steps=7, barebones=True)
+    for field in attrs.fields(LoopConfig):
+        assert getattr(trainer, field.name) == getattr(trainer.config, field.name), field.name
+        with pytest.raises(AttributeError):
+            setattr(trainer, field.name, None)

@@ -92,10 +92,10 @@ def test_without_a_listener_on_them_the_step_is_not_observed():
     task = eg.Task(_loss, optim.sgd(0.1))
     trainer = _trainer([], max_epochs=1)
     trainer.fit(task, task.init(nn.Linear(3, 1)), _data())
-    assert not any(isinstance(t, transforms.Observe) for t in trainer._transforms.transforms)
+    assert not any(isinstance(t, transforms.Observe) for t in trainer.pipeline.transforms)
     trainer = _trainer([_Seen()], max_epochs=1)
     trainer.fit(task, task.init(nn.Linear(3, 1)), _data())
-    assert any(isinstance(t, transforms.Observe) for t in trainer._transforms.transforms)
+    assert any(isinstance(t, transforms.Observe) for t in trainer.pipeline.transforms)
 
 
 def test_observing_the_step_and_compiling_it_is_a_clear_error():

@@ -66,7 +66,7 @@ from typing import Any
 from engine import _confine, checkpoint
 from engine.events import EventRecord, Listener, RunView, Save
 from engine.listeners.progress import write_message
-from engine.loop import LoopConfig, schedule
+from engine.plan import LoopConfig, schedule
 
 __all__ = ["ModelCheckpoint"]
 
@@ -473,7 +473,7 @@ class ModelCheckpoint(Listener):
 
     def _on_train_epoch_end(self, run: RunView) -> bool:
         """Where epoch-wise saves go: ``save_on_train_epoch_end``, else Lightning's rule
-        (:func:`engine.loop.schedule.saves_at_train_epoch_end`)."""
+        (:func:`engine.plan.schedule.saves_at_train_epoch_end`)."""
         if self._save_on_train_epoch_end is not None:
             return self._save_on_train_epoch_end
         return schedule.saves_at_train_epoch_end(_config(run), sum(run.num_val_batches))
@@ -481,7 +481,7 @@ class ModelCheckpoint(Listener):
     def _validation_follows(self, rec: EventRecord) -> bool:
         """Whether this was the epoch's last batch and validation runs next (and epoch-wise
         saves do not go to the end of the training epoch):
-        :func:`engine.loop.schedule.validation_follows`."""
+        :func:`engine.plan.schedule.validation_follows`."""
         run = rec.run
         if self._on_train_epoch_end(run) or rec.batch_idx is None:
             return False

@@ -9,7 +9,7 @@ event, before it writes any checkpoint requested in that event):
   decided when fitting starts, with Lightning's rule: at the end of the training epoch when
   validation runs once per epoch, at its end (``val_check_interval == 1.0`` and
   ``check_val_every_n_epoch == 1``) or not at all; otherwise after each validation
-  (:func:`engine.loop.schedule.checks_at_train_epoch_end`). Checks are skipped outside ``fit``,
+  (:func:`engine.plan.schedule.checks_at_train_epoch_end`). Checks are skipped outside ``fit``,
   during the sanity check and under ``fast_dev_run``.
 * In order: a non-finite value stops (``check_finite``); reaching ``stopping_threshold`` stops;
   being worse than ``divergence_threshold`` stops; an improvement by more than ``min_delta``
@@ -29,7 +29,7 @@ from typing import Any
 
 from engine.events import EventRecord, Listener, RunView, Stop
 from engine.listeners.progress import write_message
-from engine.loop import schedule
+from engine.plan import schedule
 
 __all__ = ["EarlyStopping", "EarlyStoppingReason"]
 
@@ -293,7 +293,7 @@ class EarlyStopping(Listener):
 
 def _checks_at_train_epoch_end(run: RunView) -> bool:
     """Lightning's default for ``check_on_train_epoch_end``: the run's schedule
-    (:func:`engine.loop.schedule.checks_at_train_epoch_end`). A view without the schedule (no
+    (:func:`engine.plan.schedule.checks_at_train_epoch_end`). A view without the schedule (no
     ``config``: a test's) is judged by whether there are validation batches: checks go after
     validation when there are.
     """

@@ -15,9 +15,9 @@ from datetime import timedelta
 from time import monotonic as _monotonic
 from typing import Any
 
-from engine._duration import parse_duration
 from engine.events import EventRecord, Listener, Stop
 from engine.listeners.progress import write_message
+from engine.plan._duration import parse_duration
 
 __all__ = ["Timer", "parse_duration"]
 

@@ -3,14 +3,14 @@
 
 They read top to bottom: start events → per loader: a fresh metric reduction, its batches
 (move → batch start → step → batch end), the reduction computed → the results logged → end
-events. Like :func:`engine.loop.fit.fit` they reach the Trainer only through a services
+events. Like :func:`engine.loop.fit.fit` they reach their driver only through a services
 object, :class:`EvalServices`: each event is handed the current ``state`` and
-:class:`~engine.loop.progress.Progress` and returns the ones the loop continues with (a
+:class:`~engine.plan.progress.Progress` and returns the ones the loop continues with (a
 listener's :class:`~engine.events.Stop` changes the progress). Nothing here reads or writes an
-attribute of the Trainer.
+attribute of the driver.
 
-Two points are the strategy's, each in one place: the loaders arrive prepared (the Trainer's
-``_prepare_loaders``, already applied, and their batch counts taken after it), and every
+Two points are the strategy's, each in one place: the loaders arrive prepared (the Run's
+``prepare_loaders``, already applied, and their batch counts taken after it), and every
 evaluation epoch's metrics are computed by :meth:`EvalServices.compute` (where a cross-rank
 reduction belongs).
 """
@@ -22,17 +22,17 @@ from typing import Any, Protocol
 
 from engine.data import batch_size, lookahead
 from engine.events import Event
-from engine.loop.progress import Phase, Progress
 from engine.loop.services import LoopServices
 from engine.metrics import metric_name
+from engine.plan.progress import Phase, Progress
 from engine.state import TrainState
 
 __all__ = ["EvalServices", "evaluate", "predict", "sanity_check"]
 
 
 class EvalServices(LoopServices, Protocol):
-    """What the evaluation loops ask of the Trainer. Each call hands over the loop's current
-    values (the Trainer keeps them as its record of the run, for the listeners' view) and
+    """What the evaluation loops ask of their driver. Each call hands over the loop's current
+    values (the Trainer's Run keeps them as its record of the run, for the listeners' view) and
     returns the ones the loop continues with."""
 
     def step(self, state: TrainState, batch: Any) -> Any:

@@ -2,11 +2,11 @@
 
 It reads top to bottom: epochs → position the loader → batches → step → batch events →
 validation on the schedule → signal check → stop checks → epoch end. It reads the frozen
-:class:`~engine.loop.LoopConfig` and the pure predicates of :mod:`engine.loop.schedule`, and
-reaches the Trainer only through :class:`FitServices`: each service is handed the current
-``state`` and :class:`~engine.loop.progress.Progress` and returns the next ones (a listener's
+:class:`~engine.plan.LoopConfig` and the pure predicates of :mod:`engine.plan.schedule`, and
+reaches its driver only through :class:`FitServices`: each service is handed the current
+``state`` and :class:`~engine.plan.progress.Progress` and returns the next ones (a listener's
 :class:`~engine.events.Stop` changes the progress, a :class:`~engine.events.Transition` the
-state). Nothing here reads or writes an attribute of the Trainer.
+state). Nothing here reads or writes an attribute of the driver.
 """
 
 from __future__ import annotations
@@ -29,19 +29,20 @@ from engine.data import (
     stateful,
 )
 from engine.events import Event
-from engine.loop import schedule
-from engine.loop.config import LoopConfig
-from engine.loop.progress import Phase, Progress
 from engine.loop.services import LoopServices
+from engine.plan import schedule
+from engine.plan.config import LoopConfig
+from engine.plan.progress import Phase, Progress
 from engine.state import TrainState
 
 __all__ = ["FitServices", "fit"]
 
 
 class FitServices(LoopServices, Protocol):
-    """What the fit loop asks of the Trainer. Each call hands over the loop's current values
-    (the Trainer keeps them as its record of the run, for the listeners' view,
-    ``trainer.state`` and checkpoints) and returns the ones the loop continues with."""
+    """What the fit loop asks of its driver. Each call hands over the loop's current values
+    (the Trainer's :class:`~engine.driver.run.Run` keeps them as its record of the run, for the
+    listeners' view, ``trainer.state`` and checkpoints) and returns the ones the loop
+    continues with."""
 
     def step(
         self, state: TrainState, progress: Progress, batch: Any, *, flush: bool

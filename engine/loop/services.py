@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from engine.events import Event
-from engine.loop.progress import Progress
+from engine.plan.progress import Progress
 from engine.state import TrainState
 
 __all__ = ["LoopServices"]

@@ -50,10 +50,10 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from engine import _watchdog
 from engine import step as _step
 from engine.errors import CollectiveError
-from engine.parallel import lengths
+from engine.metrics import distributed_sync
+from engine.parallel import _watchdog, lengths
 from engine.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from engine.state import TrainState
 from engine.transforms.base import Strategy
@@ -78,7 +78,7 @@ class DDP(Strategy):
             (the loop's agreements, barriers, broadcasts, the metrics' reductions, a sharded
             save's exchanges) fails or waits that long, every rank's Python stacks go to
             stderr and a :class:`~engine.errors.CollectiveError` names it and the ranks that
-            did not join (``engine._watchdog``).
+            did not join (``engine.parallel._watchdog``).
         bucket_cap_mb: the size of each flattened gradient bucket (25 MiB, DDP's default).
         find_unused_parameters: accepted for Lightning's flag; every parameter's gradient is
             always reduced (one without a path to the loss has a zero gradient), so nothing has
@@ -489,10 +489,27 @@ class DDP(Strategy):
     def sync(self) -> Any:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
-        from engine import metrics
+        return _WatchedSync(distributed_sync())
 
-        make = getattr(metrics, "distributed_sync", None)
-        return make() if make is not None else None
+
+class _WatchedSync:
+    """The metrics' sync (:func:`engine.metrics.distributed_sync`) with each exchange under the
+    watchdog: a rank that never joins is named instead of hanging the others."""
+
+    def __init__(self, sync: Any) -> None:
+        self._sync = sync
+        self.world_size, self.rank = sync.world_size, sync.rank
+
+    def all_reduce(self, tensor: Tensor, op: str) -> Tensor:
+        with _watchdog.guard("the metrics' reduction over the ranks"):
+            return self._sync.all_reduce(tensor, op)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        with _watchdog.guard("the metrics' exchange of names over the ranks"):
+            return self._sync.all_gather_object(obj)
+
+    def __repr__(self) -> str:
+        return repr(self._sync)
 
 
 def _with_sync_batchnorm(state: TrainState) -> TrainState:

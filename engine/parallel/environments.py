@@ -108,6 +108,8 @@ class ClusterEnvironment(abc.ABC):
         = 2: pass devices and num_nodes whose product is 4
     """
 
+    plugin_kind = "cluster environment"
+
     @property
     @abc.abstractmethod
     def creates_processes_externally(self) -> bool:

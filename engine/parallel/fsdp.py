@@ -269,6 +269,11 @@ class FSDP(DDP):
         writes an ordinary checkpoint; ``"sharded"``: the shards, which every rank writes."""
         return full_state(state) if self.state_dict_type == "full" else state
 
+    def spawned_result(self, out: Any) -> Any:
+        """A spawned fit's final state, every shard gathered (every rank joins): the caller has
+        no process group to hold shards in, so rank 0's whole state goes back."""
+        return full_state(out) if isinstance(out, TrainState) else out
+
     def bind(self, module: Any, params: dict[str, Tensor]) -> dict[str, Tensor]:
         """The parameters the forward reads: under compilation (or for a pure-function model)
         every one gathered here; eagerly the shards, which each unit's forward pre-hook gathers

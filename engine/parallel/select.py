@@ -67,7 +67,8 @@ def select_strategy(
     sync_batchnorm: bool = False,
 ) -> Strategy:
     """The strategy of a run with ``processes`` devices on each of ``num_nodes`` nodes, this
-    node's processes on ``devices`` (the flags were checked by ``engine._config.check_strategy``).
+    node's processes on ``devices`` (the flags were checked by
+    ``engine.driver._checks.check_strategy``).
 
     ``"auto"`` is :class:`DDP` for more than one process, else one process; a ``"ddp*"`` name
     is :class:`DDP` with its options, even for one process (as Lightning runs it), ``"fsdp"``

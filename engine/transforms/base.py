@@ -44,7 +44,7 @@ transformation (gradients in, gradients out) cannot.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -81,6 +81,10 @@ class Transform:
     #: computes in it (``"bf16-mixed"``: ``torch.bfloat16``): a sharding strategy gathers the
     #: parameters in it (FSDP2's ``MixedPrecisionPolicy.param_dtype``). ``None``: their own
     param_dtype: torch.dtype | None = None
+    #: the kind of ``Trainer(plugins=[...])`` entry this transform is, which says the slot of
+    #: :func:`~engine.transforms.compose` it fills: a transform of the user's own is a
+    #: precision; engine's placement, anomaly detection and DP-SGD declare theirs
+    plugin_kind: str = "precision"
 
     def prepare(self, state: TrainState) -> TrainState:
         """The state, made ready once before the steps run (placed, cast, sharded).
@@ -172,10 +176,23 @@ class Strategy(Transform):
 
     #: why this strategy's steps cannot be compiled (``None``: they can); ``compose`` refuses
     #: ``compile=True`` with it, saying so
+    plugin_kind = "strategy"  # passed as Trainer(strategy=...), refused in plugins
     not_compilable: str | None = None
     #: why a run under this strategy cannot be journaled (``None``: it can); the Trainer then
     #: runs without its journal, saying so, and refuses a Journal given as a callback
     not_journaled: str | None = None
+
+    def resolve_flags(self, flags: Mapping[str, Any], world: int) -> dict[str, Any]:
+        """The Trainer flags this strategy's own config sets, checked against ``flags`` (the
+        Trainer's, as given; ``world``: devices x nodes): none here; DeepSpeed's config sets
+        ``precision``, clipping and accumulation."""
+        return {}
+
+    def spawned_result(self, out: Any) -> Any:
+        """What a spawned run's rank returns to the caller, which has no process group (a
+        collective: every rank calls it): ``out`` itself, or a sharding strategy's state
+        gathered whole."""
+        return out
 
     def checkpoint_state(self, state: TrainState) -> TrainState:
         """The state as the Trainer's checkpoints hold it (called on every rank that saves):

@@ -42,6 +42,8 @@ class SingleDevice(Transform):
         (tensor([1., 1.]), 'label')
     """
 
+    plugin_kind = "placement"
+
     def __init__(
         self,
         device: str | torch.device = "cpu",
@@ -183,6 +185,8 @@ class DetectAnomaly(Transform):
         >>> core(), torch.is_anomaly_enabled()
         (True, False)
     """
+
+    plugin_kind = "anomaly detection"
 
     wraps_any_step = True  # its wrap_core takes any callable: a custom step_fn too
 

@@ -1,7 +1,6 @@
-"""Checks of the Trainer's Lightning-style flags (private), and the resolved flags as the
-Trainer's attributes.
+"""Checks of the Trainer's Lightning-style flags (private).
 
-Every flag is checked at construction (by :func:`engine.loop.flags.resolve`); an error names
+Every flag is checked at construction (by :func:`engine.driver.resolve.resolve`); an error names
 the flag, the value and what is accepted.
 """
 
@@ -13,15 +12,12 @@ import math
 import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from engine._duration import parse_duration
 from engine.events import Event, check_listener
-
-if TYPE_CHECKING:
-    from engine.loop.config import LoopConfig
+from engine.plan._duration import parse_duration
 
 __all__: list[str] = []
 
@@ -159,13 +155,9 @@ def strategy_flags(strategy: Any, flags: Mapping[str, Any], world: int) -> dict[
     """The Trainer flags a strategy object's own config sets (a DeepSpeed config's
     ``precision``, ``gradient_clip_val``, ``accumulate_grad_batches``), checked against the
     flags given (``flags``: the Trainer's keyword arguments; ``world``: devices x nodes)."""
-    if isinstance(strategy, str):
-        return {}
-    from engine.parallel.deepspeed import DeepSpeedStrategy
+    from engine.transforms.base import Strategy
 
-    if not isinstance(strategy, DeepSpeedStrategy):
-        return {}
-    return strategy.resolve_flags(flags, world)
+    return strategy.resolve_flags(flags, world) if isinstance(strategy, Strategy) else {}
 
 
 def check_choices(**flags: Any) -> None:
@@ -336,36 +328,19 @@ def check_plugins(
     :class:`engine.checkpoint.CheckpointIO`. At most one of each kind; a precision plugin
     and a ``precision`` flag together are refused, as Lightning refuses them, and so is DP-SGD
     in a run of ``world`` > 1 processes."""
-    from engine.checkpoint import CheckpointIO
-    from engine.privacy import DPSGD
-    from engine.transforms import DetectAnomaly, SingleDevice, Transform
-
     if value is None:
         return ()
     items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
     seen: dict[str, Any] = {}
-    from engine.transforms.base import Strategy
-
     for item in items:
         _instance("plugins", value, item)
-        if isinstance(item, Strategy):
+        kind = plugin_kind(item)
+        if kind == "strategy":
             raise ValueError(
                 f"Trainer(plugins={value!r}): {item!r} is a strategy; pass it as "
                 f"Trainer(strategy={item!r})"
             )
-        if _is_environment(item):
-            kind = "cluster environment"
-        elif isinstance(item, CheckpointIO):
-            kind = "checkpoint IO"
-        elif isinstance(item, SingleDevice):
-            kind = "placement"
-        elif isinstance(item, DetectAnomaly):
-            kind = "anomaly detection"
-        elif isinstance(item, DPSGD):
-            kind = "privacy"
-        elif isinstance(item, Transform):
-            kind = "precision"
-        else:
+        if kind is None:
             raise ValueError(
                 f"Trainer(plugins={value!r}): {item!r} is not one of engine's plugins; pass a "
                 "precision transform (engine.transforms.MixedPrecision(torch.bfloat16), "
@@ -404,13 +379,31 @@ def check_plugins(
     return items
 
 
-def _is_environment(item: Any) -> bool:
-    """Whether ``item`` is a cluster environment (``engine.parallel.environments``)."""
-    try:
-        from engine.parallel.environments import ClusterEnvironment
-    except ImportError:  # pragma: no cover - the module lands with the launchers
-        return False
-    return isinstance(item, ClusterEnvironment)
+PLUGIN_KINDS = (
+    "precision",
+    "placement",
+    "anomaly detection",
+    "privacy",
+    "checkpoint IO",
+    "cluster environment",
+    "strategy",
+)
+
+
+def plugin_kind(item: Any) -> str | None:
+    """The kind of plugin ``item`` declares (its class's ``plugin_kind``: engine's transforms,
+    :class:`~engine.checkpoint.CheckpointIO`, cluster environments), or ``None`` for anything
+    else (a class, or one of Lightning's plugins)."""
+    if isinstance(item, type):
+        return None
+    kind = getattr(type(item), "plugin_kind", None)
+    return kind if kind in PLUGIN_KINDS else None
+
+
+def plugins_by_kind(value: Any) -> dict[str, Any]:
+    """``plugins`` (checked by :func:`check_plugins`) by the kind each declares."""
+    items = () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    return {kind: item for item in items if (kind := plugin_kind(item)) is not None}
 
 
 def check_callbacks(value: Any) -> None:
@@ -500,182 +493,6 @@ def root_dir(value: Any) -> str:
             "(pathlib.Path), or None for the working directory"
         )
     return path or os.getcwd()
-
-
-def _flag(name: str) -> Any:
-    def get(self: Any) -> Any:
-        return getattr(self.config, name)
-
-    return property(get, doc=f"The resolved ``{name}`` flag: ``config.{name}`` (read-only).")
-
-
-class FlagViews:
-    """The resolved flags as read-only attributes of the Trainer, where Lightning has them:
-    ``trainer.max_epochs`` reads ``trainer.config.max_epochs`` (a frozen
-    :class:`~engine.loop.LoopConfig`, resolved once when the Trainer is built)."""
-
-    config: LoopConfig
-
-    accelerator: str = _flag("accelerator")
-
-    @property
-    def strategy(self) -> str:
-        """The resolved ``strategy`` flag (a str); Lightning's Strategy object's attributes
-        on it say where engine keeps them (``trainer.strategy.root_device`` is
-        ``trainer.root_device``)."""
-        return StrategyFlag(self.config.strategy, getattr(self, "_strategy", None))
-
-    devices: int | str | tuple[int, ...] = _flag("devices")
-    device: str = _flag("device")
-    num_nodes: int = _flag("num_nodes")
-    precision: str = _flag("precision")
-    sync_batchnorm: bool = _flag("sync_batchnorm")
-    use_distributed_sampler: bool = _flag("use_distributed_sampler")
-    max_epochs: int = _flag("max_epochs")
-    min_epochs: int | None = _flag("min_epochs")
-    max_steps: int = _flag("max_steps")
-    min_steps: int | None = _flag("min_steps")
-    max_time: timedelta | None = _flag("max_time")
-    limit_train_batches: int | float = _flag("limit_train_batches")
-    limit_val_batches: int | float = _flag("limit_val_batches")
-    limit_test_batches: int | float = _flag("limit_test_batches")
-    limit_predict_batches: int | float = _flag("limit_predict_batches")
-    overfit_batches: int | float = _flag("overfit_batches")
-    val_check_interval: int | float = _flag("val_check_interval")
-    check_val_every_n_epoch: int | None = _flag("check_val_every_n_epoch")
-    num_sanity_val_steps: int | float = _flag("num_sanity_val_steps")
-    reload_dataloaders_every_n_epochs: int = _flag("reload_dataloaders_every_n_epochs")
-    accumulate_grad_batches: int = _flag("accumulate_grad_batches")
-    gradient_clip_val: int | float | None = _flag("gradient_clip_val")
-    gradient_clip_algorithm: str = _flag("gradient_clip_algorithm")
-    compile: bool | Mapping[str, Any] = _flag("compile")
-    inference_mode: bool = _flag("inference_mode")
-    deterministic: bool | str | None = _flag("deterministic")
-    benchmark: bool | None = _flag("benchmark")
-    detect_anomaly: bool = _flag("detect_anomaly")
-    fast_dev_run: int = _flag("fast_dev_run")
-    barebones: bool = _flag("barebones")
-    log_every_n_steps: int = _flag("log_every_n_steps")
-    enable_checkpointing: bool = _flag("enable_checkpointing")
-    enable_progress_bar: bool = _flag("enable_progress_bar")
-    enable_model_summary: bool = _flag("enable_model_summary")
-    enable_journal: bool = _flag("enable_journal")
-    enable_autolog_hparams: bool = _flag("enable_autolog_hparams")
-    profiler: str | None = _flag("profiler")
-    default_root_dir: str = _flag("default_root_dir")
-
-
-# Lightning's Trainer attributes engine has no attribute for, and what replaces each
-LIGHTNING_ATTRIBUTES = {
-    "lightning_module": "the model is the state: trainer.state.params / .buffers (its module, "
-    "state.module, is a stateless template shared by the steps); to run it, "
-    "engine.predict_step(fn)(state, batch) or engine.eval_step(fn)(state, batch), in eval mode "
-    "without changing the template (in a listener: rec.state)",
-    "model": "the model is the state: trainer.state.params / .buffers; run it with "
-    "engine.predict_step(fn)(trainer.state, batch)",
-    "optimizers": "the optimizer is trainer.task.tx (an engine.optim transformation) and its "
-    "state trainer.state.opt_state; optim.get_hyperparams(state.opt_state) reads an injected lr",
-    "optimizer": "the optimizer is trainer.task.tx and its state trainer.state.opt_state",
-    "lr_scheduler_configs": "a schedule is a function of the step inside the optimizer "
-    "(optim.adamw(optim.warmup_cosine(...))); stepped per epoch or on a metric, the listeners "
-    "LearningRateSchedule and ReduceLROnPlateau",
-    "lr_schedulers": "a schedule is a function of the step inside the optimizer "
-    "(optim.adamw(optim.warmup_cosine(...))); the listeners LearningRateSchedule and "
-    "ReduceLROnPlateau",
-    "fit_loop": "the fit loop is a function, engine.loop.fit.fit; its position is "
-    "trainer.global_step, trainer.current_epoch and trainer.state.batch_idx, its limits "
-    "trainer.config (and trainer.estimated_stepping_batches)",
-    "validate_loop": "validation runs in trainer.validate(); its counts are "
-    "trainer.num_val_batches",
-    "test_loop": "testing runs in trainer.test(); its counts are trainer.num_test_batches",
-    "predict_loop": "prediction runs in trainer.predict(); its counts are "
-    "trainer.num_predict_batches",
-    "precision_plugin": "the precision is trainer.precision (the flag) and a step transform, "
-    "engine.transforms.precision_transform(trainer.precision); its state (a loss scale) is "
-    "trainer.state.precision",
-    "scaler": "the loss scale is state: trainer.state.precision (precision='16-mixed')",
-    "training": "trainer.stage == 'fit' (and not trainer.sanity_checking)",
-    "validating": "trainer.stage == 'validate', or a validation event of fit (on_validation_*)",
-    "testing": "trainer.stage == 'test'",
-    "predicting": "trainer.stage == 'predict'",
-    "is_last_batch": "in a listener, rec.batch_idx + 1 == rec.run.num_training_batches",
-    "val_dataloaders": "the loaders given to fit(val_dataloaders=...) or the datamodule's "
-    "val_dataloader() (trainer.datamodule)",
-    "test_dataloaders": "the loaders given to test() or the datamodule's test_dataloader()",
-    "predict_dataloaders": "the loaders given to predict() or the datamodule's "
-    "predict_dataloader()",
-    "checkpoint_connector": "checkpoints: trainer.save_checkpoint(path), "
-    "fit(ckpt_path=...), engine.checkpoint.load / read_meta",
-    "init_module": "build the module as usual and make the state with task.init(model, seed=...)",
-    "tuner": "there is no tuner; a learning-rate range test is a loop of engine steps",
-    "interrupted": "a SIGTERM/SIGINT during fit saves a checkpoint and exits; fit() raises on "
-    "an interruption",
-    "received_sigterm": "a SIGTERM during fit saves a checkpoint and exits (engine handles it)",
-}
-
-
-# Lightning's Strategy attributes, and where engine keeps each
-_STRATEGY_ATTRIBUTES = {
-    "root_device": "trainer.root_device",
-    "world_size": "trainer.world_size",
-    "global_rank": "trainer.global_rank",
-    "local_rank": "trainer.local_rank",
-    "is_global_zero": "trainer.is_global_zero",
-    "num_processes": "trainer.num_devices",
-    "precision_plugin": "trainer.precision (the flag) and its step transform",
-    "checkpoint_io": "Trainer(plugins=[an engine.checkpoint.CheckpointIO])",
-    "model": "trainer.state (the model's tensors)",
-    "lightning_module": "trainer.state (the model's tensors)",
-    "optimizers": "trainer.task.tx and trainer.state.opt_state",
-    "barrier": "trainer.strategy.barrier()",
-}
-
-
-class StrategyFlag(str):
-    """``trainer.strategy``: the flag's value, a str (``"auto"``), as Lightning's flag is
-    given. The rank facts and collectives of Lightning's Strategy object read on it come from
-    the run's strategy (``trainer.strategy.barrier()``, ``.world_size``, ``.broadcast(obj)``);
-    any other attribute of Lightning's says where engine keeps it."""
-
-    _DELEGATED = frozenset(
-        (
-            "world_size",
-            "global_rank",
-            "local_rank",
-            "node_rank",
-            "is_global_zero",
-            "barrier",
-            "broadcast",
-        )
-    )
-
-    def __new__(cls, value: str, strategy: Any = None) -> StrategyFlag:
-        out = super().__new__(cls, value)
-        out.__dict__["_strategy"] = strategy
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        strategy = self.__dict__.get("_strategy")
-        if strategy is not None and name in self._DELEGATED:
-            return getattr(strategy, name)
-        instead = _STRATEGY_ATTRIBUTES.get(name)
-        where = f"Lightning's trainer.strategy.{name} is {instead}" if instead else ""
-        raise AttributeError(
-            f"trainer.strategy is the strategy flag's value ({str(self)!r}), not Lightning's "
-            f"Strategy object, and has no attribute {name!r}" + (f": {where}" if where else "")
-        )
-
-
-def missing_attribute(owner: str, name: str) -> AttributeError:
-    """The error for ``owner.name`` where ``name`` is a Lightning attribute engine replaces."""
-    instead = LIGHTNING_ATTRIBUTES.get(name)
-    if instead is None:
-        return AttributeError(f"'{owner}' object has no attribute '{name}'")
-    return AttributeError(
-        f"'{owner}' object has no attribute '{name}' (Lightning's trainer.{name}): {instead}"
-    )
 
 
 def warn_hyperparams_in_dtype(tx: Any, opt_state: Any, params: Mapping[str, Any], why: str) -> None:

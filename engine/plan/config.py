@@ -1,6 +1,6 @@
 """The Trainer's flags as resolved: the frozen :class:`LoopConfig`.
 
-:func:`engine.loop.flags.resolve` checks the flags and builds it once; the loop and the
+:func:`engine.driver.resolve.resolve` checks the flags and builds it once; the loop and the
 listeners (through ``rec.run.config``) read it, nothing writes it. This module imports nothing
 of engine's, so any layer may name the type.
 """
@@ -86,7 +86,7 @@ class LoopConfig:
         ``extra.config`` and a run directory as ``config.json``. ``max_time`` is in seconds.
 
         Example:
-            >>> from engine.loop.flags import resolve
+            >>> from engine.driver.resolve import resolve
             >>> config = resolve(max_steps=10, compile={"mode": "max-autotune"}).to_json()
             >>> config["max_epochs"], config["max_steps"], config["compile"]
             (-1, 10, {'mode': 'max-autotune'})

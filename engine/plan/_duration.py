@@ -1,5 +1,6 @@
 """Durations as Lightning writes them (``max_time``, ``Timer(duration=...)``): a private module with
-no engine imports, so the flag checks (``engine._config``) and the Timer listener share it."""
+no engine imports, so the flag checks (``engine.driver._checks``) and the Timer listener share
+it."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ class Phase(enum.Enum):
       incremented.
 
     Example:
-        >>> from engine.loop import Phase
+        >>> from engine.plan import Phase
         >>> Phase("batch_end"), Phase.EPOCH_END.value
         (<Phase.BATCH_END: 'batch_end'>, 'epoch_end')
         >>> Phase.BETWEEN.mid_batch, Phase.VALIDATED.mid_batch
@@ -61,7 +61,7 @@ class Phase(enum.Enum):
             ValueError: if ``value`` names no phase.
 
         Example:
-            >>> from engine.loop import Phase
+            >>> from engine.plan import Phase
             >>> Phase.parse(None), Phase.parse("validated")
             (<Phase.BETWEEN: 'between'>, <Phase.VALIDATED: 'validated'>)
             >>> Phase.parse("somewhere")
@@ -101,7 +101,7 @@ class Progress(NamedTuple):
     batch).
 
     Example:
-        >>> from engine.loop.progress import Phase, Progress
+        >>> from engine.plan.progress import Phase, Progress
         >>> p = Progress(total_batch_idx=3, phase=Phase.BATCH_END)
         >>> saved = p.to_json()
         >>> saved["phase"], saved["total_batch_idx"], saved["should_stop"]

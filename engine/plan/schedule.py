@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from engine.loop.config import LoopConfig
+from engine.plan.config import LoopConfig
 
 __all__ = [
     "can_stop_early",
@@ -47,8 +47,8 @@ def val_check_batch(
             whether or not it is on); a fraction other than 1.0 with an unsized loader.
 
     Example:
-        >>> from engine.loop import schedule
-        >>> from engine.loop.flags import resolve
+        >>> from engine.plan import schedule
+        >>> from engine.driver.resolve import resolve
         >>> schedule.val_check_batch(resolve(val_check_interval=0.25), 10, True)
         2
         >>> schedule.val_check_batch(resolve(), float("inf"), True)
@@ -88,8 +88,8 @@ def validates_this_epoch(config: LoopConfig, epoch: int, enable_validation: bool
     ``epoch + 1``.
 
     Example:
-        >>> from engine.loop import schedule
-        >>> from engine.loop.flags import resolve
+        >>> from engine.plan import schedule
+        >>> from engine.driver.resolve import resolve
         >>> every_2 = resolve(check_val_every_n_epoch=2)
         >>> [schedule.validates_this_epoch(every_2, e, True) for e in range(4)]
         [False, True, False, True]
@@ -108,8 +108,8 @@ def can_stop_early(config: LoopConfig, epoch: int, global_step: int) -> bool:
     ``min_epochs=1``).
 
     Example:
-        >>> from engine.loop import schedule
-        >>> from engine.loop.flags import resolve
+        >>> from engine.plan import schedule
+        >>> from engine.driver.resolve import resolve
         >>> config = resolve(min_epochs=2)
         >>> schedule.can_stop_early(config, 1, 50), schedule.can_stop_early(config, 2, 50)
         (False, True)
@@ -143,8 +143,8 @@ def should_validate(
     divide the epoch leaves its last batch without validation.
 
     Example:
-        >>> from engine.loop import schedule
-        >>> from engine.loop.flags import resolve
+        >>> from engine.plan import schedule
+        >>> from engine.driver.resolve import resolve
         >>> config = resolve(val_check_interval=0.5)
         >>> vcb = schedule.val_check_batch(config, 5, True)
         >>> [b for b in range(5) if schedule.should_validate(
@@ -173,8 +173,8 @@ def epoch_done(
     request that may end the fit (:func:`can_stop_early`).
 
     Example:
-        >>> from engine.loop import schedule
-        >>> from engine.loop.flags import resolve
+        >>> from engine.plan import schedule
+        >>> from engine.driver.resolve import resolve
         >>> config = resolve(max_steps=5)
         >>> schedule.epoch_done(config, global_step=4), schedule.epoch_done(config, global_step=5)
         (False, True)
@@ -197,8 +197,8 @@ def fit_done(
     :class:`~engine.listeners.Timer`'s stop request.)
 
     Example:
-        >>> from engine.loop import schedule
-        >>> from engine.loop.flags import resolve
+        >>> from engine.plan import schedule
+        >>> from engine.driver.resolve import resolve
         >>> config = resolve(max_epochs=2)
         >>> schedule.fit_done(config, epoch=1, global_step=10)
         False
@@ -225,8 +225,8 @@ def saves_at_train_epoch_end(config: LoopConfig, num_val_batches: float) -> bool
     for the int 1 too, as in Lightning).
 
     Example:
-        >>> from engine.loop import schedule
-        >>> from engine.loop.flags import resolve
+        >>> from engine.plan import schedule
+        >>> from engine.driver.resolve import resolve
         >>> schedule.saves_at_train_epoch_end(resolve(), num_val_batches=4)
         True
         >>> schedule.saves_at_train_epoch_end(resolve(val_check_interval=0.5), 4)
@@ -261,8 +261,8 @@ def validation_follows(
     batch and the save waits for the next one.
 
     Example:
-        >>> from engine.loop import schedule
-        >>> from engine.loop.flags import resolve
+        >>> from engine.plan import schedule
+        >>> from engine.driver.resolve import resolve
         >>> config = resolve(check_val_every_n_epoch=2)
         >>> [schedule.validation_follows(config, batch_idx=3, num_training_batches=4,
         ...                              num_val_batches=2, epoch=e) for e in (0, 1)]
@@ -287,8 +287,8 @@ def checks_at_train_epoch_end(config: LoopConfig, num_val_batches: float) -> boo
     is not "once per epoch" (Lightning compares ``1 == 1.0``).
 
     Example:
-        >>> from engine.loop import schedule
-        >>> from engine.loop.flags import resolve
+        >>> from engine.plan import schedule
+        >>> from engine.driver.resolve import resolve
         >>> schedule.checks_at_train_epoch_end(resolve(), num_val_batches=2)
         True
         >>> schedule.checks_at_train_epoch_end(resolve(val_check_interval=1), 2)

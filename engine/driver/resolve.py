@@ -1,8 +1,8 @@
 """The Trainer's flags, checked and resolved once into a frozen :class:`LoopConfig`.
 
-:func:`resolve` takes the Trainer's keyword arguments (same names, defaults and meanings) and
-does everything the flags imply before a run starts: each flag is checked (``engine._config``:
-an error names the flag, the value and what is accepted), Lightning's defaults are filled in
+:func:`resolve` takes the Trainer's keyword arguments (same names, defaults and meanings) and does
+everything the flags imply before a run starts: each flag is checked (``engine.driver._checks``: an
+error names the flag, the value and what is accepted), Lightning's defaults are filled in
 (``max_epochs``, ``num_sanity_val_steps``, ``min_epochs`` with ``min_steps``), and
 ``overfit_batches``, ``fast_dev_run`` and ``barebones`` are applied to the flags they override.
 What comes out is plain values: the loop and the listeners read it, nothing writes it.
@@ -11,14 +11,15 @@ What comes out is plain values: the loop and the listeners read it, nothing writ
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
 
-from engine import _config as cfg
-from engine.loop.config import LoopConfig
-from engine.transforms import SingleDevice, Transform, canonical_precision, precision_transform
+import attrs
+
+from engine.driver import _checks as cfg
+from engine.plan.config import LoopConfig
+from engine.plan.flags import Flags
+from engine.transforms import canonical_precision, precision_transform
 from engine.transforms.devices import resolve_devices
 
 __all__ = ["resolve"]
@@ -27,61 +28,16 @@ __all__ = ["resolve"]
 _ENABLE = ("enable_checkpointing", "enable_progress_bar", "enable_model_summary")
 
 
-def resolve(
-    *,
-    accelerator: str = "auto",
-    strategy: str = "auto",
-    devices: int | str | Sequence[int] = "auto",
-    num_nodes: int = 1,
-    precision: int | str | None = None,
-    logger: Any = None,
-    callbacks: Any = None,
-    fast_dev_run: int | bool = False,
-    max_epochs: int | None = None,
-    min_epochs: int | None = None,
-    max_steps: int = -1,
-    min_steps: int | None = None,
-    max_time: str | timedelta | dict[str, int] | None = None,
-    limit_train_batches: int | float | None = None,
-    limit_val_batches: int | float | None = None,
-    limit_test_batches: int | float | None = None,
-    limit_predict_batches: int | float | None = None,
-    overfit_batches: int | float = 0.0,
-    val_check_interval: int | float | None = None,
-    check_val_every_n_epoch: int | None = 1,
-    num_sanity_val_steps: int | None = None,
-    log_every_n_steps: int | None = None,
-    enable_checkpointing: bool | None = None,
-    enable_progress_bar: bool | None = None,
-    enable_model_summary: bool | None = None,
-    accumulate_grad_batches: int = 1,
-    gradient_clip_val: int | float | None = None,
-    gradient_clip_algorithm: str | None = None,
-    deterministic: bool | str | None = None,
-    benchmark: bool | None = None,
-    inference_mode: bool = True,
-    use_distributed_sampler: bool = True,
-    profiler: str | None = None,
-    detect_anomaly: bool = False,
-    barebones: bool = False,
-    plugins: Any = None,
-    sync_batchnorm: bool = False,
-    reload_dataloaders_every_n_epochs: int = 0,
-    default_root_dir: str | os.PathLike[str] | None = None,
-    compile: bool | Mapping[str, Any] = False,
-    enable_journal: bool | None = None,
-    enable_autolog_hparams: bool = True,
-    model_registry: str | None = None,
-) -> LoopConfig:
-    """Check the Trainer's flags and resolve them into a :class:`LoopConfig` (the Trainer's
-    keyword arguments, with its defaults; ``logger``, ``callbacks`` and ``plugins`` are checked
-    only).
+def resolve(given: Flags | None = None, /, **kwargs: Any) -> LoopConfig:
+    """Check the Trainer's flags (a :class:`~engine.plan.flags.Flags`, or its fields as keyword
+    arguments) and resolve them into a :class:`LoopConfig` (with the Trainer's defaults;
+    ``logger``, ``callbacks`` and ``plugins`` are checked only).
 
     Raises:
         ValueError: naming the first flag with a value it does not accept.
 
     Example:
-        >>> from engine.loop.flags import resolve
+        >>> from engine.driver.resolve import resolve
         >>> config = resolve(max_steps=100, num_sanity_val_steps=-1)
         >>> config.max_epochs, config.num_sanity_val_steps, config.limit_train_batches
         (-1, inf, 1.0)
@@ -95,50 +51,59 @@ def resolve(
         ...
         ValueError: Trainer(max_epochs=-2): max_epochs must be an int >= -1 or None
     """
-    flags = dict(locals())
+    if given is None:
+        given = Flags(**kwargs)
+    flags = attrs.asdict(given, recurse=False)
     # -- flags with a fixed set of values (placement and scale-out: single-process CPU until
     # their own issues land; _config.CHOICES)
     cfg.check_choices(**{name: flags[name] for name in cfg.CHOICES})
-    here = resolve_devices(accelerator, devices)
-    world = cfg.check_strategy(strategy, len(here), num_nodes)
+    here = resolve_devices(given.accelerator, given.devices)
+    world = cfg.check_strategy(given.strategy, len(here), given.num_nodes)
     # a strategy's own config (DeepSpeed's) may set precision, clipping and accumulation
-    flags.update(cfg.strategy_flags(strategy, flags, world))
-    plugged = cfg.check_plugins(plugins, flags["precision"], detect_anomaly, world=world)
+    flags.update(cfg.strategy_flags(given.strategy, flags, world))
+    plugged = cfg.check_plugins(
+        given.plugins, flags["precision"], given.detect_anomaly, world=world
+    )
     precision_name = _precision(flags["precision"], plugged)
     device = here[_local_rank(len(here))] if world > 1 else here[0]
-    cfg.check_compile(compile)
+    cfg.check_compile(given.compile)
     cfg.check_clip_val(flags["gradient_clip_val"])
-    cfg.check_loggers(logger)
-    cfg.check_callbacks(callbacks)
+    cfg.check_loggers(given.logger)
+    cfg.check_callbacks(given.callbacks)
     resolved = _loop_limits(flags)
-    resolved.update(_fast_dev_run(fast_dev_run))
+    resolved.update(_fast_dev_run(given.fast_dev_run))
     resolved.update({name: flags[name] is not False for name in _ENABLE})
-    if barebones:  # the bare loop: what costs per step is refused, the rest turned off
+    if given.barebones:  # the bare loop: what costs per step is refused, the rest turned off
         _check_barebones(flags)
         resolved.update(dict.fromkeys(_ENABLE, False), num_sanity_val_steps=0)
     return LoopConfig(
-        accelerator=accelerator,
-        strategy=strategy if isinstance(strategy, str) else type(strategy).__name__,
-        devices=devices if isinstance(devices, (int, str)) else tuple(devices),
+        accelerator=given.accelerator,
+        strategy=given.strategy
+        if isinstance(given.strategy, str)
+        else type(given.strategy).__name__,
+        devices=given.devices if isinstance(given.devices, (int, str)) else tuple(given.devices),
         device=str(_placed(plugged) or device),
-        num_nodes=num_nodes,
+        num_nodes=given.num_nodes,
         precision=precision_name,
-        sync_batchnorm=sync_batchnorm,
-        use_distributed_sampler=use_distributed_sampler,
-        barebones=barebones,
-        log_every_n_steps=log_every_n_steps if log_every_n_steps is not None else 50,
+        sync_batchnorm=given.sync_batchnorm,
+        use_distributed_sampler=given.use_distributed_sampler,
+        barebones=given.barebones,
+        log_every_n_steps=given.log_every_n_steps if given.log_every_n_steps is not None else 50,
         # fast_dev_run is a smoke test: like its loggers and checkpoints, no journal
-        enable_journal=enable_journal is not False and not (barebones or resolved["fast_dev_run"]),
-        enable_autolog_hparams=enable_autolog_hparams,
+        enable_journal=given.enable_journal is not False
+        and not (given.barebones or resolved["fast_dev_run"]),
+        enable_autolog_hparams=given.enable_autolog_hparams,
         gradient_clip_val=flags["gradient_clip_val"],
-        gradient_clip_algorithm=gradient_clip_algorithm or "norm",
-        deterministic=deterministic,
-        benchmark=benchmark,
-        inference_mode=inference_mode,
-        detect_anomaly=detect_anomaly,
-        profiler=profiler,
-        compile=compile if isinstance(compile, bool) else MappingProxyType(dict(compile)),
-        default_root_dir=cfg.root_dir(default_root_dir),
+        gradient_clip_algorithm=given.gradient_clip_algorithm or "norm",
+        deterministic=given.deterministic,
+        benchmark=given.benchmark,
+        inference_mode=given.inference_mode,
+        detect_anomaly=given.detect_anomaly,
+        profiler=given.profiler,
+        compile=given.compile
+        if isinstance(given.compile, bool)
+        else MappingProxyType(dict(given.compile)),
+        default_root_dir=cfg.root_dir(given.default_root_dir),
         **resolved,
     )
 
@@ -146,14 +111,7 @@ def resolve(
 def _precision(flag: Any, plugins: tuple[Any, ...]) -> str:
     """The precision's canonical name (Lightning's ``trainer.precision``): the flag's, or the
     plugin's when it is one of engine's with its defaults, else its repr."""
-    from engine.privacy import DPSGD
-    from engine.transforms import DetectAnomaly
-
-    plugged = [
-        p
-        for p in plugins
-        if isinstance(p, Transform) and not isinstance(p, (SingleDevice, DetectAnomaly, DPSGD))
-    ]
+    plugged = [p for p in plugins if cfg.plugin_kind(p) == "precision"]
     if not plugged:
         name = canonical_precision(flag)
         precision_transform(name)  # refuses transformer-engine when it is not installed
@@ -167,7 +125,6 @@ def _precision(flag: Any, plugins: tuple[Any, ...]) -> str:
 def _local_rank(processes: int) -> int:
     """This process's index among this node's ``processes`` (``LOCAL_RANK``, which torchrun,
     SLURM's launcher or the Trainer's own set; 0 in the process that launches the others)."""
-    import os
 
     text = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     try:
@@ -184,7 +141,7 @@ def _local_rank(processes: int) -> int:
 
 
 def _placed(plugins: tuple[Any, ...]) -> Any:
-    return next((p.device for p in plugins if isinstance(p, SingleDevice)), None)
+    return next((p.device for p in plugins if cfg.plugin_kind(p) == "placement"), None)
 
 
 def _loop_limits(flags: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,111 @@
+"""The validate, test and predict stages, top to bottom: the datamodule set up and asked for
+its loaders, the loaders prepared and counted, then, in the run's context, the step built and
+the evaluation loop (:mod:`engine.loop.evaluate`) over the :class:`~engine.driver.run.Run`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.data import is_datamodule, resolve_loaders, setup_datamodule
+from engine.driver.context import running
+from engine.driver.restore import datamodule_first
+from engine.driver.run import Run
+from engine.driver.services import EvalServices
+from engine.loop import evaluate as eval_loops
+from engine.state import TrainState
+from engine.task import Task
+
+__all__ = ["evaluate", "predict"]
+
+
+def _loaders(
+    run: Run, stage: str, kind: str, method: str, dataloaders: Any, datamodule: Any, ckpt: Any
+) -> tuple[list[Any], Any]:
+    """The stage's loaders (the datamodule's, set up first and given its checkpointed state),
+    prepared for this rank and agreed on by every rank."""
+    if datamodule is None and is_datamodule(dataloaders):
+        datamodule, dataloaders = dataloaders, None
+    if datamodule is not None:
+        setup_datamodule(datamodule, stage, run.facade)
+    run.evaluating(datamodule)
+    datamodule_first(run, ckpt, datamodule)
+    loaders = run.prepare_loaders(kind, resolve_loaders(stage, dataloaders, datamodule, method))
+    run.strategy.agree_loaders()
+    if not loaders:
+        raise ValueError(f"Trainer.{stage}() needs dataloaders= or a datamodule with {method}()")
+    return loaders, datamodule
+
+
+def evaluate(
+    run: Run,
+    profiler: Any,
+    kind: str,
+    task: Task,
+    state: TrainState,
+    dataloaders: Any,
+    datamodule: Any,
+    ckpt_path: str | None,
+    verbose: bool,
+) -> list[dict[str, float]]:
+    """``Trainer.validate`` (``kind="validation"``) or ``Trainer.test`` (``"test"``) in this
+    process (see there)."""
+    stage = run.stage
+    assert stage is not None
+    method = "val_dataloader" if kind == "validation" else "test_dataloader"
+    short = "val" if kind == "validation" else "test"
+    loaders, datamodule = _loaders(run, stage, short, method, dataloaders, datamodule, ckpt_path)
+    limits = run.count_batches(kind, loaders)
+    with running(run, profiler, task, state, ckpt_path, datamodule):
+        make = task.eval_step if kind == "validation" else task.test_step
+        step = profiler.timed(
+            f"{kind}_step",
+            make(transforms=run.pipeline, inference_mode=run.config.inference_mode),
+        )
+        assert run.state is not None  # placed by running
+        state, progress, results = eval_loops.evaluate(
+            kind, EvalServices(run, step), run.state, run.progress, loaders, limits, log=True
+        )
+        run.hand_over(state, progress)
+    if verbose and not run.config.barebones:
+        _print_results(stage, results)
+    return results
+
+
+def predict(
+    run: Run,
+    profiler: Any,
+    task: Task,
+    state: TrainState,
+    dataloaders: Any,
+    datamodule: Any,
+    return_predictions: bool | None,
+    ckpt_path: str | None,
+) -> list[Any] | None:
+    """``Trainer.predict`` in this process (see there)."""
+    method = "predict_dataloader"
+    loaders, datamodule = _loaders(
+        run, "predict", "predict", method, dataloaders, datamodule, ckpt_path
+    )
+    limits = run.count_batches("predict", loaders)
+    keep = return_predictions is not False
+    with running(run, profiler, task, state, ckpt_path, datamodule):
+        step = profiler.timed(
+            "predict_step",
+            task.predict_step(transforms=run.pipeline, inference_mode=run.config.inference_mode),
+        )
+        assert run.state is not None  # placed by running
+        state, progress, outputs = eval_loops.predict(
+            EvalServices(run, step), run.state, run.progress, loaders, limits, keep=keep
+        )
+        run.hand_over(state, progress)
+    if not keep:
+        return None
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _print_results(stage: str, results: list[dict[str, float]]) -> None:
+    for i, r in enumerate(results):
+        head = f"{stage} results" + (f" (dataloader {i})" if len(results) > 1 else "")
+        print(head)
+        for k, v in r.items():
+            print(f"  {k:32s} {v:.6g}")

@@ -1,0 +1,247 @@
+"""The fit stage, top to bottom: the directories checked, the datamodule set up and asked for
+its loaders (in Lightning's order), the data's determinism warned about, the schedule checked,
+the directories claimed; then, in the run's context, the steps built, the sanity check and the
+fit loop (:func:`engine.loop.fit.fit`) over the :class:`~engine.driver.run.Run`."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import attrs
+
+from engine import checkpoint, optim
+from engine.data import (
+    count_batches,
+    is_datamodule,
+    limit_batches,
+    order_outside_the_state,
+    randomness_outside_the_state,
+    resolve_loaders,
+    setup_datamodule,
+)
+from engine.driver import directories
+from engine.driver._checks import warn_hyperparams_in_dtype
+from engine.driver.context import running
+from engine.driver.restore import datamodule_first
+from engine.driver.run import Run, stepping_batches
+from engine.driver.services import EvalServices, FitServices
+from engine.events import Event
+from engine.loop import evaluate as eval_loops
+from engine.loop.fit import fit as fit_loop
+from engine.plan import schedule
+from engine.state import TrainState
+from engine.task import Task
+
+__all__ = ["fit"]
+
+
+def fit(
+    run: Run,
+    profiler: Any,
+    task: Task,
+    state: TrainState,
+    train_dataloaders: Any,
+    val_dataloaders: Any,
+    datamodule: Any,
+    ckpt_path: str | None,
+) -> TrainState:
+    """``Trainer.fit`` in this process (see there)."""
+    config = run.config
+    directories.check(run)  # before any work: a directory that cannot be written says so
+    if datamodule is None and is_datamodule(train_dataloaders):
+        datamodule, train_dataloaders = train_dataloaders, None
+    if datamodule is not None:  # Lightning's protocol: before its loaders are asked for
+        setup_datamodule(datamodule, "fit", run.facade)
+    datamodule_first(run, ckpt_path, datamodule)
+    # the order Lightning asks a datamodule for them: the validation loaders first when a
+    # sanity check will run on them (before training starts), else the training loader
+    val_first = config.num_sanity_val_steps > 0 and config.limit_val_batches and ckpt_path is None
+    if val_first:
+        val_loaders = run.prepare_loaders(
+            "val", resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
+        )
+    train_loaders = run.prepare_loaders(
+        "train", resolve_loaders("fit", train_dataloaders, datamodule, "train_dataloader")
+    )
+    if len(train_loaders) != 1:
+        raise ValueError(
+            f"Trainer.fit() takes exactly one training dataloader (got {len(train_loaders)})"
+        )
+    if not val_first:
+        val_loaders = run.prepare_loaders(
+            "val", resolve_loaders("fit", val_dataloaders, datamodule, "val_dataloader")
+        )
+    run.strategy.agree_loaders()  # every rank built them alike (one collective)
+    _warn_about_the_data(train_loaders[0])
+    # what the first epoch's loop would refuse (val_check_interval longer than the epoch)
+    # is refused before the loggers make their run directories
+    _check_schedule(run, train_loaders[0], val_loaders)
+    run.fitting(train_loaders[0], datamodule)
+    directories.claim(run)
+    with running(run, profiler, task, state, ckpt_path, datamodule):
+        _fit(run, profiler, task, train_loaders[0], val_loaders, datamodule)
+    if state._ownership.consumed_by == "train_step":
+        state._ownership.consumed_by = "Trainer.fit"  # its error says what to use instead
+    assert run.state is not None
+    if run.signals.came:  # after the last epoch's end: nothing to stop
+        run.signals.report_late(run.global_step, run.current_epoch)
+    return run.state
+
+
+def _warn_about_the_data(train_loader: Any) -> None:
+    if order_outside_the_state(train_loader):
+        warnings.warn(
+            "the training DataLoader shuffles with a RandomSampler that draws from the "
+            "generator you gave it, which is outside the run's state: a run resumed from a "
+            "checkpoint or replayed will see other batches than this one. Leave out "
+            "generator= (the Trainer then seeds the order from the state's seed and the "
+            "epoch), or pass sampler=engine.data.ShuffleSampler(dataset, seed=...)",
+            stacklevel=3,
+        )
+    if randomness_outside_the_state(train_loader):
+        warnings.warn(
+            "the training DataLoader loads in worker processes that the Trainer cannot "
+            "seed (a custom batch sampler, batch_size=None, an iterable dataset, a loader "
+            "with state_dict() or a dataset without an instance dict): random numbers its "
+            "dataset draws there (random augmentation) are outside the run's state, so a run "
+            "resumed from a checkpoint or replayed may see other batches. Wrap the dataset "
+            "in engine.data.SeededDataset(dataset, seed=...) to seed each sample",
+            stacklevel=3,
+        )
+
+
+def _check_schedule(run: Run, train_loader: Any, val_loaders: list[Any]) -> None:
+    """Raise what :func:`engine.plan.schedule.val_check_batch` raises for the fit's first
+    epoch (the loop asks again each epoch: a reloaded loader may change its length)."""
+    config = run.config
+    batches = limit_batches("train", count_batches(train_loader), config.limit_train_batches)
+    if batches == 0:  # the loop trains nothing and asks nothing
+        return
+    validates = any(
+        limit_batches("val", count_batches(dl), config.limit_val_batches) for dl in val_loaders
+    )
+    schedule.val_check_batch(config, batches, validates)
+
+
+def _fit(
+    run: Run, profiler: Any, task: Task, train_loader: Any, val_loaders: list[Any], dm: Any
+) -> None:
+    config = run.config
+    if task.step_fn is not None:
+        _check_custom_step(run)
+    pipeline = run.pipeline
+    assert run.state is not None
+    # the run's length, where a schedule asked for it (total_steps="auto"): the task the
+    # fit runs (and the journal records, for replay) has it resolved
+    task = _resolve_total_steps(task, run)
+    run.begin_fit(task)
+    if task.tx is not None:
+        warn_hyperparams_in_dtype(
+            task.tx,
+            run.state.opt_state,
+            run.state.params,
+            f"the parameters' dtype under precision={config.precision!r}",
+        )
+    step = profiler.timed("train_step", task.train_step(transforms=pipeline))
+    evaluate = (  # built only when there is something to validate (fit has no loaders
+        # to add later), so a task without an evaluation function fits without one
+        profiler.timed(
+            "validation_step",
+            task.eval_step(transforms=pipeline, inference_mode=config.inference_mode),
+        )
+        if val_loaders
+        else None
+    )
+    num_val_batches = run.count_batches("val", val_loaders)
+    enable_validation = sum(num_val_batches) > 0
+    if task.hparams:
+        checkpoint._hparams_doc(task.hparams)  # a value checkpoints cannot hold: named now
+        for lg in run.loggers if run.is_global_zero and config.enable_autolog_hparams else ():
+            lg.log_hyperparams(dict(task.hparams))
+    run.announce(Event.ON_FIT_START)
+
+    eval_services = None if evaluate is None else EvalServices(run, evaluate)
+    run.val_loaded_at = None
+    sanity = [min(config.num_sanity_val_steps, n) for n in num_val_batches]
+    if eval_services is not None and enable_validation and sum(sanity) > 0:
+        run.sanity_checking = True  # the listeners' view says so, around the events too
+        state, progress = eval_loops.sanity_check(
+            eval_services, run.state, run.progress, val_loaders, sanity
+        )
+        run.sanity_checking = False
+        run.hand_over(state, progress)
+        run.val_loaded_at = run.current_epoch
+
+    progress = run.progress
+    if progress.reducer is None:  # else restored by a resume
+        progress = progress._replace(reducer=task.reducer())
+    services = FitServices(run, step, eval_services, val_loaders, dm)
+    state, progress = fit_loop(
+        config,
+        services,
+        run.state,
+        progress,
+        train_loader=train_loader,
+        datamodule=dm,
+        enable_validation=enable_validation,
+    )
+    run.hand_over(state, progress)
+
+
+def _resolve_total_steps(task: Task, run: Run) -> Task:
+    """``task`` with its ``total_steps="auto"`` schedules (:class:`engine.optim.AutoLength`)
+    resolved to ``trainer.estimated_stepping_batches``; ``task`` itself without any."""
+    tx = task.tx
+    if (tx is None or not optim.has_deferred(tx)) and not isinstance(task.lr, optim.AutoLength):
+        return task
+    config = run.config
+    total = stepping_batches(config, run.train_dataloader)
+    if isinstance(total, float) or total < 1:
+        raise ValueError(
+            f"total_steps='auto': the run's length is unknown "
+            f"(trainer.estimated_stepping_batches = {total}, with max_epochs="
+            f"{config.max_epochs}, max_steps={config.max_steps} and "
+            f"{run.progress.num_training_batches or 'unsized'} training batches); set "
+            "max_steps, or max_epochs with a training loader that has a length, or pass "
+            "total_steps=N"
+        )
+    lr = task.lr.resolve_total_steps(total) if isinstance(task.lr, optim.AutoLength) else task.lr
+    return attrs.evolve(
+        task, tx=None if tx is None else optim.resolve_total_steps(tx, total), lr=lr
+    )
+
+
+def _check_custom_step(run: Run) -> None:
+    """The flags that act inside a step built from ``loss_fn`` cannot reach into a custom one."""
+    config = run.config
+    for flag, value, on in (
+        (
+            "accumulate_grad_batches",
+            config.accumulate_grad_batches,
+            config.accumulate_grad_batches > 1,
+        ),
+        ("gradient_clip_val", config.gradient_clip_val, bool(config.gradient_clip_val)),
+        ("compile", config.compile, bool(config.compile)),
+    ):
+        if on:
+            raise ValueError(
+                f"Trainer({flag}={value!r}) acts inside a train step built from loss_fn; the "
+                "task's step_fn is its own step: accumulate, clip (optim.clip_by_global_norm in "
+                "its optimizers) or compile inside it, and leave the flag at its default"
+            )
+    privacy = run.assembly.privacy
+    if privacy is not None:
+        raise ValueError(
+            f"Trainer(plugins=[{privacy!r}]) computes the gradients of a train step "
+            "built from loss_fn; the task's step_fn is its own step: take per-example "
+            "gradients inside it (engine.per_example_grads, engine.privacy.clip_and_sum and "
+            "gaussian_noise), or give the task a loss_fn"
+        )
+    if run.assembly.precision.overrides("wrap_grad"):
+        raise ValueError(
+            f"Trainer(precision={config.precision!r}) autocasts the forward pass of a train "
+            "step built from loss_fn; the task's step_fn is its own step: enter torch.autocast "
+            "inside it (and scale its float16 loss), or use a true precision such as "
+            "'bf16-true', which casts the state and the batches the step_fn receives"
+        )
