@@ -166,7 +166,7 @@ _UNREADABLE = (OSError, pickle.UnpicklingError, EOFError)
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from engine._replay import ReplayError, replay
+    from engine.replaying import ReplayError, replay
 
     data = None
     try:
