@@ -24,7 +24,6 @@ from engine import (
     rng,
     transforms,
 )
-from engine._replay import Divergence, ReplayError, ReplayReport, UntrustedCodeError, replay
 from engine._version import __version__
 from engine.events import (
     Event,
@@ -49,6 +48,7 @@ from engine.listeners import (
 from engine.loggers import CSVLogger, TensorBoardLogger
 from engine.metrics import LogOptions
 from engine.per_example import per_example_grads
+from engine.replaying import Divergence, ReplayError, ReplayReport, UntrustedCodeError, replay
 from engine.state import ConsumedStateError, TrainState
 from engine.step import (
     EvalStep,

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from test_cli import _CONFIG, _MODULE
 
-from engine import _cli_checks as checks
+from engine.cli import _checks as checks
 
 HUGE = str(2**70)
 NOT_A_BOOL = ["abc", "2", "[true]", "{a: 1}"]
@@ -96,7 +96,7 @@ CASES = [(f"trainer.{k}", v) for k, vs in WRONG.items() for v in vs] + [
 
 _DRIVER = r"""
 import json, os, signal, sys, traceback
-import engine._cli_config as config
+import engine.cli._stages as config
 import engine.cli
 
 parser = config.build_parser("fit")  # built once; each forked case parses with its own copy
@@ -184,7 +184,7 @@ def _one_error_line(rc: int, stderr: str) -> None:
 
 
 def test_the_table_names_every_trainer_flag_the_cli_exposes():
-    from engine._cli_config import build_parser
+    from engine.cli._stages import build_parser
 
     parser = build_parser("fit")
     exposed = {

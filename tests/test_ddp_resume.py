@@ -328,7 +328,7 @@ def test_replay_reexecutes_a_ddp_run_on_its_world_size(two_rank_run, tmp_path):
     run_dir = two_rank_run / "lightning_logs" / "version_0"
     config = json.loads((run_dir / "config.json").read_text())
     assert config["world_size"] == 2 and config["strategy"] == "ddp" and config["devices"] == 2
-    from engine._replay import ReplayError
+    from engine.replaying import ReplayError
 
     with pytest.raises(ReplayError, match="detect_anomaly=True is not available"):
         eg.replay(run_dir, trust_code=True, detect_anomaly=True)
@@ -361,7 +361,8 @@ def test_replay_reexecutes_a_ddp_run_on_its_world_size(two_rank_run, tmp_path):
 
 
 def test_replay_runs_a_ddp_journal_on_cpu_ranks_only():
-    from engine._replay import ReplayError, _flags
+    from engine.replaying import ReplayError
+    from engine.replaying._loading import _flags
 
     with pytest.raises(ReplayError, match="CPU processes only"):
         _flags({"device": "cuda:0", "world_size": 2})

@@ -18,7 +18,7 @@ from typing import Any, Protocol, Union
 import torch
 from torch import nn
 
-from engine import _cli_checks as checks
+from engine.cli import _checks as checks
 from engine.errors import CheckpointError
 
 __all__ = ["STAGES", "build_parser", "run"]

@@ -231,7 +231,12 @@ def one_line(message: str) -> str:
     return out
 
 
-_ENGINE = str(Path(__file__).resolve().parent)
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+_ENGINE = str(Path(__file__).resolve().parent.parent)  # the engine package, above cli/
 _STDLIB = str(Path(sysconfig.get_paths()["stdlib"]).resolve())
 
 
