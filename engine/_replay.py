@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 
 from engine import checkpoint
-from engine._pickling import Rebuild, load_skeleton, loads_code
+from engine.checkpoint._pickling import Rebuild, load_skeleton, loads_code
 from engine.events import EventRecord, Listener, Stop, Transition
 from engine.listeners.journal import CONFIG, DATA, JOURNAL, MODEL, TASK, Journal, JournalError
 from engine.state import TrainState

@@ -23,8 +23,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from engine import _opt_fit, _watchdog, checkpoint
+from engine import _watchdog, checkpoint
 from engine._signals import SignalCatcher as SignalCatcher  # the Trainer's, re-exported
+from engine.checkpoint import _opt_fit
 from engine.events import Save
 from engine.loop import LoopConfig
 from engine.loop.progress import Progress

@@ -43,9 +43,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from engine import _meta, _shard_index, _watchdog
-from engine._checksum import _checksum, _start_checksum
-from engine._ckpt_files import (
+from engine import _shard_index, _watchdog
+from engine.checkpoint._checksum import _checksum, _start_checksum
+from engine.checkpoint._files import (
     META,
     _Claim,
     _describe,
@@ -56,7 +56,14 @@ from engine._ckpt_files import (
     _short,
     _write_failed,
 )
-from engine._meta import SHARDED, SHARDS
+from engine.checkpoint._meta import (
+    SHARDED,
+    SHARDED_FORMAT_VERSION,
+    SHARDS,
+    encode,
+    not_plain,
+    shard_name,
+)
 from engine.errors import CheckpointError
 from engine.optim.base import state_dict as opt_state_dict
 from engine.state import TrainState
@@ -189,7 +196,7 @@ def _prepare(
         _exchange(lambda: found.append(state.fingerprint()), target, "fingerprinting")
         meta["fingerprint"] = found[0]
     meta.update(
-        format_version=_meta.SHARDED_FORMAT_VERSION,
+        format_version=SHARDED_FORMAT_VERSION,
         layout=SHARDED,
         world_size=world,
         tensors=_describe_tensors(tensors),
@@ -242,7 +249,7 @@ def save_async(state: TrainState, target: Path, **kwargs: Any) -> Future[Path]:
     """:func:`engine.checkpoint.save_async` of a sharded state: the agreement, the
     fingerprint (when asked) and a copy of this rank's shards now; DCP's write, the checksums
     and the rename on the writer thread, their collectives on a gloo group of their own."""
-    from engine._checksum import _WRITER
+    from engine.checkpoint._checksum import _WRITER
 
     _require_group(target)
     group = _side_group()
@@ -333,7 +340,7 @@ def _commit(meta: dict[str, Any], tmp: Path, target: Path, claim: Any) -> None:
         files[f"{SHARDS}/{n}"] = _checksum(shards / n)
         sizes[f"{SHARDS}/{n}"] = os.path.getsize(shards / n)
     with open(tmp / META, "wb") as out:
-        out.write(_meta.encode({**meta, "files": files, "sizes": sizes}))
+        out.write(encode({**meta, "files": files, "sizes": sizes}))
         out.flush()
         os.fsync(out.fileno())
     _fsync_dir(tmp)
@@ -357,8 +364,8 @@ def verify(root: Path, meta: Mapping[str, Any]) -> Any:
             "checkpoint reads only files of its own: refused"
         )
     for name in files:
-        if not _meta.shard_name(name):
-            raise CheckpointError(_meta.not_plain(root / META, name))
+        if not shard_name(name):
+            raise CheckpointError(not_plain(root / META, name))
         file = root / name
         try:
             st = os.lstat(file)

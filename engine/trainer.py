@@ -30,7 +30,7 @@ from engine import _resume, checkpoint, loop, optim, privacy, transforms
 from engine._config import FlagViews, missing_attribute, warn_hyperparams_in_dtype
 from engine._profiling import Profiler
 from engine._resume import Checkpointer, RunRecord, SignalCatcher, _is
-from engine._writable import check_writable
+from engine.checkpoint._writable import check_writable
 from engine.data import (
     count_batches,
     is_datamodule,

@@ -23,8 +23,8 @@ import xxhash
 from torch import nn
 
 import engine as eg
-from engine import _checksum, checkpoint, optim
-from engine.checkpoint import CheckpointError
+from engine import checkpoint, optim
+from engine.checkpoint import CheckpointError, _checksum
 
 
 def _model(seed: int = 0, width: int = 8) -> nn.Module:

@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import run_ranks
 
 import engine as eg
-from engine import _meta, checkpoint, optim
-from engine._checksum import _checksum
+from engine import checkpoint, optim
+from engine.checkpoint import _meta
+from engine.checkpoint._checksum import _checksum
 from engine.errors import CheckpointError
 
 pytestmark = pytest.mark.slow  # 2 spawned ranks each

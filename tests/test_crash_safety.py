@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 import engine as eg
-from engine import _ckpt_files, _meta, checkpoint, optim
+from engine import checkpoint, optim
+from engine.checkpoint import _files, _meta
 
 KILLED = 77
 pytestmark = [
@@ -49,7 +50,7 @@ def _state(scale: float) -> eg.TrainState:
 
 OLD, NEW, TEMPLATE = _state(1.0), _state(2.0), _state(0.0)
 PRINTS = {OLD.fingerprint(): "old", NEW.fingerprint(): "new"}
-TRACED = {checkpoint.__file__, _ckpt_files.__file__, _meta.__file__, shutil.__file__}
+TRACED = {checkpoint.__file__, _files.__file__, _meta.__file__, shutil.__file__}
 
 
 def _start_killed_at(line: int, operation: Callable[[], object]) -> int:

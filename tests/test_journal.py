@@ -15,7 +15,7 @@ from torch import nn
 
 import engine as eg
 from engine import optim
-from engine._pickling import loads_code
+from engine.checkpoint._pickling import loads_code
 from engine.listeners import Journal
 
 

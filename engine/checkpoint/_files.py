@@ -30,8 +30,9 @@ try:
 except ImportError:  # not POSIX: leftovers cannot be told from saves in progress
     fcntl = None  # type: ignore[assignment]
 
-from engine import _tree, _version
-from engine._meta import FORMAT_VERSION
+from engine import _version
+from engine.checkpoint import _tree
+from engine.checkpoint._meta import FORMAT_VERSION
 from engine.errors import CheckpointError
 from engine.optim.base import state_dict as opt_state_dict
 from engine.state import TrainState

@@ -10,7 +10,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engine import _meta, _shard_index
+from engine import _shard_index
+from engine.checkpoint import _meta
 from engine.errors import CheckpointError
 
 __all__: list[str] = []

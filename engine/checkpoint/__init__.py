@@ -53,8 +53,8 @@ try:
 except ImportError:  # not POSIX: leftovers cannot be told from saves in progress
     fcntl = None  # type: ignore[assignment]
 
-from engine import _ckpt_report, _meta, _opt_fit, _tree
-from engine._checksum import (
+from engine.checkpoint import _meta, _opt_fit, _report, _tree
+from engine.checkpoint._checksum import (
     _SCHEMES,
     _WRITER,
     _hash_mapped,
@@ -63,7 +63,7 @@ from engine._checksum import (
     _NoZipCrc,
     _start_checksum,
 )
-from engine._ckpt_files import (
+from engine.checkpoint._files import (
     _ASIDE,
     _DOOMED,
     _LOCK,
@@ -82,8 +82,8 @@ from engine._ckpt_files import (
     _short,
     _write_failed,
 )
-from engine._meta import FORMAT_VERSION
-from engine._snapshot import _SNAPSHOTS, _host_empty, _Snapshot
+from engine.checkpoint._meta import FORMAT_VERSION
+from engine.checkpoint._snapshot import _SNAPSHOTS, _host_empty, _Snapshot
 from engine.errors import CheckpointError
 from engine.optim.base import load_state_dict as load_opt_state
 from engine.state import TrainState
@@ -135,7 +135,9 @@ def _write(tensors: Mapping[str, Tensor], meta: Mapping[str, Any], target: Path)
                 checksum = writer.checksum()
                 size = os.fstat(raw.fileno()).st_size
             writing = META
-            with open(tmp / META, "wb") as out:  # with its own checksum (engine/_meta.py)
+            with open(
+                tmp / META, "wb"
+            ) as out:  # with its own checksum (engine/checkpoint/_meta.py)
                 out.write(
                     _meta.encode({**meta, "files": {TENSORS: checksum}, "sizes": {TENSORS: size}})
                 )
@@ -754,7 +756,7 @@ def _verified_tensors(
 
 def _own_files(path: Path, meta: Mapping[str, Any]) -> dict[str, str]:
     """``meta.json``'s ``files`` (name -> checksum), each checked before a byte of it is read:
-    a plain name (``engine/_meta.py`` checks that too), a regular file inside ``path`` (a
+    a plain name (``engine/checkpoint/_meta.py`` checks that too), a regular file inside ``path`` (a
     symbolic link may point only to a file beside it) and, from format version 5, of the size
     recorded, so that a file swapped for a huge one is refused without hashing it."""
     files = dict(meta.get("files", {}))
@@ -1069,7 +1071,7 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
     info["hparams"] = _hparams_of(meta)
     # sizes, layout, what was checked and whether it passed, what a sharded index holds
-    info.update(_ckpt_report.inspected(root, meta, _verify_files))
+    info.update(_report.inspected(root, meta, _verify_files))
     return info
 
 
