@@ -12,9 +12,11 @@ from typing import Any
 
 from engine import _shard_index
 from engine.checkpoint import _meta
+from engine.checkpoint._hparams import _hparams_of
+from engine.checkpoint._read import _verify_files, read_meta
 from engine.errors import CheckpointError
 
-__all__: list[str] = []
+__all__ = ["inspect"]
 
 
 def checks(meta: Mapping[str, Any], sharded: bool) -> list[str]:
@@ -94,3 +96,42 @@ def chunk_text(chunk: Mapping[str, Any]) -> str:
     (``[]`` for a 0-dim tensor)."""
     dims = ", ".join(f"{o}:{o + s}" for o, s in zip(chunk["offsets"], chunk["sizes"], strict=True))
     return f"{chunk['file']}[{dims}]"
+
+
+def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A summary of a checkpoint: counters, metrics, sizes, format, what was checked
+    (``checked``), whether it verifies, and what a sharded index holds (``index``).
+
+    Example:
+        >>> import tempfile, torch
+        >>> import engine as eg
+        >>> from engine import checkpoint, optim
+        >>> state = eg.TrainState.create(torch.nn.Linear(3, 2), optim.sgd(0.1))
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     info = checkpoint.inspect(checkpoint.save(state, f"{d}/c"))
+        >>> info["step"], info["num_params"], info["verified"]
+        (0, 8, True)
+    """
+    root = Path(path)
+    meta = read_meta(root)
+    info: dict[str, Any] = {
+        k: meta.get(k)
+        for k in (
+            "step",
+            "epoch",
+            "batch_idx",
+            "micro_step",
+            "seed",
+            "num_params",
+            "format_version",
+            "engine_version",
+            "torch_version",
+            "metrics",
+            "fingerprint",
+            "weights_only",
+        )
+    }
+    info["hparams"] = _hparams_of(meta)
+    # sizes, layout, what was checked and whether it passed, what a sharded index holds
+    info.update(inspected(root, meta, _verify_files))
+    return info
