@@ -1,5 +1,6 @@
 """A checkpoint directory's contents and its atomic write primitives (private), shared by full
-checkpoints (``engine.checkpoint``) and sharded ones (``engine._sharded``); it imports neither.
+checkpoints (the rest of ``engine.checkpoint``) and sharded ones (``engine.parallel._dcp``); it
+imports neither.
 
 What a TrainState becomes on disk: its tensors as one flat ``{key: tensor}`` dict
 (:func:`_flatten`: ``params/<name>``, ``opt_state/<path>``, ...) and the record ``meta.json``

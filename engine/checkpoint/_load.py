@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from engine.checkpoint import _meta, _opt_fit, _tree
+from engine.checkpoint import _layouts, _opt_fit, _tree
 from engine.checkpoint._files import _RANK_GRADS, _TREES, META, TENSORS
 from engine.checkpoint._read import _verified_tensors, read_meta
 from engine.errors import CheckpointError
@@ -42,10 +42,9 @@ def load(path: str | os.PathLike[str], template: TrainState, *, rank: int = 0) -
         raise ValueError(f"load(rank={rank!r}): pass the rank, an int >= 0")
     root = Path(path)
     meta = read_meta(root)
-    if meta.get("layout") == _meta.SHARDED:  # torch.distributed.checkpoint's files
-        from engine import _sharded
-
-        return _assemble(root, meta, template, _sharded.read(root, meta, template), 0)
+    layout = _layouts.of_meta(meta)
+    if layout is not None:  # a strategy's files (a sharded checkpoint: DCP's shards)
+        return _assemble(root, meta, template, layout.read(root, meta, template), 0)
     mine = "grad_accum" if rank == 0 else f"{_RANK_GRADS}{rank}"
     device_of = {k: v.device for k, v in {**template.params, **template.buffers}.items()}
     devices = {
@@ -56,10 +55,9 @@ def load(path: str | os.PathLike[str], template: TrainState, *, rank: int = 0) -
         _tree.to_json(getattr(template, name), name, shaped)
         devices.update((k, t.device) for k, t in shaped.items())
     tensors = _verified_tensors(root, meta, devices)
-    if template.sharded:  # a full checkpoint resumed sharded: each rank takes its shards
-        from engine import _sharded
-
-        tensors = _sharded.placed_like(template, tensors)
+    placing = _layouts.of_state(template)
+    if placing is not None:  # a full checkpoint resumed sharded, say: each rank takes its shards
+        tensors = placing.placed_like(template, tensors)
     return _assemble(root, meta, template, tensors, rank)
 
 

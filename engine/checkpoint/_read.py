@@ -18,7 +18,7 @@ try:
 except ImportError:  # then the file is hashed apart from the mapping; torch copies
     np = None  # type: ignore[assignment]
 
-from engine.checkpoint import _meta
+from engine.checkpoint import _layouts, _meta
 from engine.checkpoint._checksum import _SCHEMES, _hash_mapped, _layout, _start_checksum
 from engine.checkpoint._files import META, TENSORS, _read_own, _short
 from engine.checkpoint._snapshot import _host_empty
@@ -218,10 +218,10 @@ def verify(path: str | os.PathLike[str]) -> None:
 
 
 def _verify_files(root: Path, meta: Mapping[str, Any]) -> Any:
-    """Check every file; a sharded checkpoint's index, checked against meta.json, returned."""
-    if meta.get("layout") == _meta.SHARDED:
-        from engine import _sharded
-
-        return _sharded.verify(root, meta)
+    """Check every file; what a strategy's layout returns of its check (a sharded checkpoint's
+    index, checked against meta.json) returned."""
+    layout = _layouts.of_meta(meta)
+    if layout is not None:
+        return layout.verify(root, meta)
     _verified_tensors(root, meta, materialize=False)
     return None

@@ -1,17 +1,16 @@
-"""What ``checkpoint.inspect`` reports of a checkpoint's files (private): their sizes, the
-layout, what was checked and whether it passed, and for a sharded checkpoint what its index
-holds (engine/_shard_index.py), not only what ``meta.json`` claims."""
+"""What ``checkpoint.inspect`` reports of a checkpoint (private): its counters and metrics, and of
+its files their sizes, the layout, what was checked and whether it passed. A strategy's layout
+reports its own files (engine/checkpoint/_layouts.py: for a sharded checkpoint, what DCP's index
+holds, not only what ``meta.json`` claims); the phrases and the outcome here are shared."""
 
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engine import _shard_index
-from engine.checkpoint import _meta
+from engine.checkpoint import _layouts
 from engine.checkpoint._hparams import _hparams_of
 from engine.checkpoint._read import _verify_files, read_meta
 from engine.errors import CheckpointError
@@ -19,76 +18,47 @@ from engine.errors import CheckpointError
 __all__ = ["inspect"]
 
 
-def checks(meta: Mapping[str, Any], sharded: bool) -> list[str]:
-    """What verifying the checkpoint checks, in order, one phrase each."""
+def checks(meta: Mapping[str, Any], files: str, content: str) -> list[str]:
+    """What verifying the checkpoint checks, in order, one phrase each: ``files`` what each file
+    ``meta.json`` names is checked to be, ``content`` how its data is read (the layout's)."""
     n = len(meta.get("files") or {})
-    done = [
+    return [
         "meta.json: its own checksum, format version and schema",
-        f"files: the {n} meta.json names, each a plain name and a regular file of the "
-        "checkpoint (no link out of it), and no other file"
-        if sharded
-        else f"files: the {n} meta.json names, each a plain name and a regular file of the "
-        "checkpoint (a link only to a file beside it)",
+        f"files: the {n} meta.json names, {files}",
         "sizes: each file's size, as meta.json records it (before hashing)"
         if "sizes" in meta
         else "sizes: not recorded (format version < 5)",
         "checksums: each file's, as meta.json records it",
+        content,
     ]
-    if sharded:
-        done.append(
-            "index: shards/.metadata read without running code and checked against meta.json "
-            "(the same tensors, shapes and dtypes; chunks that tile each tensor; each in a file "
-            "meta.json names, inside its size)"
-        )
-    else:
-        done.append("tensors.pt: read with torch.load(weights_only=True): no code runs")
-    return done
 
 
-def inspected(
-    root: Path, meta: Mapping[str, Any], verify_files: Callable[[Path, Mapping[str, Any]], Any]
-) -> dict[str, Any]:
-    """The file-level part of ``checkpoint.inspect``'s summary; ``verify_files`` checks every
-    file (and returns a sharded checkpoint's checked index)."""
-    sharded = meta.get("layout") == _meta.SHARDED
+def outcome(check: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """What ``check()`` returned (``None`` if it refused the checkpoint), and ``inspect``'s
+    ``verified`` and ``problem``."""
+    try:
+        return check(), {"verified": True, "problem": None}
+    except CheckpointError as e:
+        return None, {"verified": False, "problem": str(e)}
+
+
+def inspected(root: Path, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The file-level part of ``checkpoint.inspect``'s summary of a full checkpoint."""
     info: dict[str, Any] = {
         "size_bytes": sum(f.stat().st_size for f in root.iterdir() if f.is_file()),
-        "layout": _meta.SHARDED if sharded else "full",
+        "layout": "full",
         "world_size": meta.get("world_size", 1),
-        "tensors": meta.get("tensors") if sharded else None,
-        "checked": checks(meta, sharded),
+        "tensors": None,
+        "checked": checks(
+            meta,
+            "each a plain name and a regular file of the checkpoint (a link only to a file "
+            "beside it)",
+            "tensors.pt: read with torch.load(weights_only=True): no code runs",
+        ),
         "index": None,
     }
-    if sharded and (root / _meta.SHARDS).is_dir() and not (root / _meta.SHARDS).is_symlink():
-        shards = root / _meta.SHARDS
-        info["size_bytes"] += sum(f.stat().st_size for f in shards.iterdir() if f.is_file())
-    index = None
-    try:
-        index = verify_files(root, meta)
-        info["verified"], info["problem"] = True, None
-    except CheckpointError as e:
-        info["verified"], info["problem"] = False, str(e)
-    if sharded:
-        try:  # what the index holds, also when it failed a check (read safely all the same)
-            if index is None and _own_index(root, meta):
-                index = _shard_index.read(root)
-            info["index"] = None if index is None else _shard_index.describe(index)
-        except Exception:  # unreadable or refused: "problem" says why
-            info["index"] = None
+    info.update(outcome(lambda: _verify_files(root, meta))[1])
     return info
-
-
-def _own_index(root: Path, meta: Mapping[str, Any]) -> bool:
-    """Whether ``shards/.metadata`` is the checkpoint's own file, of the size recorded (not
-    through a link out of it): the only index inspect reads after a failed check."""
-    shards = root / _meta.SHARDS
-    if os.path.islink(shards) or os.path.realpath(shards) != os.path.join(
-        os.path.realpath(root), _meta.SHARDS
-    ):
-        return False
-    st = os.lstat(shards / _shard_index.INDEX)
-    recorded = (meta.get("sizes") or {}).get(f"{_meta.SHARDS}/{_shard_index.INDEX}")
-    return stat.S_ISREG(st.st_mode) and st.st_size == recorded
 
 
 def chunk_text(chunk: Mapping[str, Any]) -> str:
@@ -132,6 +102,8 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     }
     info["hparams"] = _hparams_of(meta)
-    # sizes, layout, what was checked and whether it passed, what a sharded index holds
-    info.update(inspected(root, meta, _verify_files))
+    # sizes, layout, what was checked and whether it passed; a strategy's layout its own (what a
+    # sharded checkpoint's index holds)
+    layout = _layouts.of_meta(meta)
+    info.update(inspected(root, meta) if layout is None else layout.inspected(root, meta))
     return info

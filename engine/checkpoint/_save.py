@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from engine.checkpoint import _meta
+from engine.checkpoint import _layouts, _meta
 from engine.checkpoint._checksum import _WRITER, _HashingWriter, _NoZipCrc
 from engine.checkpoint._files import (
     META,
@@ -141,10 +141,9 @@ def save(
     """
     _is_state(state, path, "save")
     state.check_alive("checkpoint.save()")
-    if state.sharded:  # a collective: every rank writes its shards (engine/_sharded.py)
-        from engine import _sharded
-
-        return _sharded.save(
+    layout = _layouts.of_state(state)
+    if layout is not None:  # a strategy's (a sharded state: a collective, every rank's shards)
+        return layout.save(
             state,
             Path(path),
             metrics=metrics,
@@ -252,11 +251,10 @@ def save_async(
     """
     _is_state(state, path, "save_async")
     state.check_alive("checkpoint.save_async()")
-    if state.sharded:  # every rank writes its shards (engine/_sharded.py)
-        from engine import _sharded
-
-        try:
-            return _sharded.save_async(
+    try:
+        layout = _layouts.of_state(state)
+        if layout is not None:  # a strategy's (a sharded state: every rank writes its shards)
+            return layout.save_async(
                 state,
                 Path(path),
                 metrics=metrics,
@@ -265,10 +263,10 @@ def save_async(
                 weights_only=weights_only,
                 rank_grad_accum=rank_grad_accum,
             )
-        except CheckpointError as e:
-            failed_now: Future[Path] = Future()
-            failed_now.set_exception(e)
-            return failed_now
+    except CheckpointError as e:
+        failed_now: Future[Path] = Future()
+        failed_now.set_exception(e)
+        return failed_now
     tensors, scalars = _flatten(state, weights_only, rank_grad_accum)
     try:
         _replaceable(Path(path))  # here, so that the caller hears of it at once

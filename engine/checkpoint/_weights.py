@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, overload
 import torch
 from torch import Tensor, nn
 
-from engine.checkpoint import _meta
+from engine.checkpoint import _layouts
 from engine.checkpoint._files import _Claim, _fsync_dir
 from engine.checkpoint._read import _materialize, _verified_tensors, read_meta
 from engine.errors import CheckpointError
@@ -41,10 +41,9 @@ def _verified_weights(
     optimizer state and the rest of ``tensors.pt`` are hashed but never copied out of the file.
     ``devices``: by ``params/<name>`` / ``buffers/<name>`` key, where each tensor goes. With
     ``materialize=False`` they are views of the mapped file (verified: copy out of them)."""
-    if meta.get("layout") == _meta.SHARDED:  # gathered from the shards, on this process
-        from engine import _sharded
-
-        return _sharded.read_weights(root, meta, devices or {})
+    layout = _layouts.of_meta(meta)
+    if layout is not None:  # a strategy's files (a sharded checkpoint: gathered on this process)
+        return layout.read_weights(root, meta, devices or {})
     mapped = _verified_tensors(root, meta, materialize=False)
     picked = {k: t for k, t in mapped.items() if k.partition("/")[0] in ("params", "buffers")}
     del mapped  # the rest of the file is never copied

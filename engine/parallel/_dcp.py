@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from engine import _shard_index, _watchdog
+from engine import _watchdog
 from engine.checkpoint._checksum import _checksum, _start_checksum
 from engine.checkpoint._files import (
     META,
@@ -66,6 +66,7 @@ from engine.checkpoint._meta import (
 )
 from engine.errors import CheckpointError
 from engine.optim.base import state_dict as opt_state_dict
+from engine.parallel import _dcp_index
 from engine.state import TrainState
 
 __all__: list[str] = []
@@ -96,7 +97,7 @@ def _agree(error: BaseException | None, target: Path, stage: str, group: Any = N
     one on every rank, naming the rank), then this rank's own error."""
     world = dist.get_world_size()
     told: list[Any] = [None] * world
-    mine = None if error is None else _shard_index.one_line(error)  # never a nested traceback
+    mine = None if error is None else _dcp_index.one_line(error)  # never a nested traceback
     # an OSError's errno travels with it: a full disk is called one on every rank
     number = error.errno if isinstance(error, OSError) else None
     _exchange(dist.all_gather_object, target, stage, told, (mine, number), group=group)
@@ -262,7 +263,7 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
     rename; the collectives on ``group`` (``None``: the default group)."""
     import torch.distributed.checkpoint as dcp
 
-    from engine import _shard_faults
+    from engine.parallel import _dcp_faults
 
     rank = dist.get_rank()
     claim = None
@@ -286,13 +287,13 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
         noticed = None
         try:
             writer = dcp.FileSystemWriter(shards, sync_files=True, overwrite=False)
-            # DCP's own call, not _shard_index.dcp_call: _shard_faults reads every rank's
+            # DCP's own call, not _dcp_index.dcp_call: _dcp_faults reads every rank's
             # failure from its CheckpointException, and _agree says it in one line
-            noticed = _shard_faults.noticing(writer)  # the OSError behind torch.save's own
+            noticed = _dcp_faults.noticing(writer)  # the OSError behind torch.save's own
             dcp.save(tensors, storage_writer=writer, process_group=group)
         except BaseException as e:
             noted = noticed.error if noticed is not None else None
-            problem = _shard_faults.cause(e, noted, dist.get_rank(group))
+            problem = _dcp_faults.cause(e, noted, dist.get_rank(group))
         _agree(problem, target, "writing its shards", group)
         outcome: list[Any] = [None]
         if rank == 0:
@@ -353,7 +354,7 @@ def _commit(meta: dict[str, Any], tmp: Path, target: Path, claim: Any) -> None:
 def verify(root: Path, meta: Mapping[str, Any]) -> Any:
     """Check every file of the sharded checkpoint at ``root``: a name under ``shards/``, a
     regular file of the size recorded, its checksum; then DCP's index, read safely and checked
-    against ``meta.json`` (engine/_shard_index.py). Returns that index: the loaders hand it to
+    against ``meta.json`` (engine/_dcp_index.py). Returns that index: the loaders hand it to
     DCP, which reads no other."""
     files = dict(meta["files"])
     sizes = meta.get("sizes") or {}
@@ -393,9 +394,9 @@ def verify(root: Path, meta: Mapping[str, Any]) -> Any:
         )
     # the index first (its checksum, then its entries against meta.json): a shard is read
     # (hashed, then loaded) only once the index is known to point into the checkpoint alone
-    index_name = f"{SHARDS}/{_shard_index.INDEX}"
+    index_name = f"{SHARDS}/{_dcp_index.INDEX}"
     _checksums(root, {index_name: files[index_name]})
-    index = _shard_index.checked(root, meta)
+    index = _dcp_index.checked(root, meta)
     _checksums(root, {n: d for n, d in files.items() if n != index_name})
     return index
 
@@ -418,7 +419,7 @@ def _checksums(root: Path, files: Mapping[str, str]) -> None:
 
 def _reader(root: Path, index: Any) -> Any:
     """DCP's file reader of ``root``'s shards, handed ``index`` (checked by
-    :func:`engine._shard_index.checked`) instead of reading ``.metadata`` again."""
+    :func:`engine._dcp_index.checked`) instead of reading ``.metadata`` again."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -446,7 +447,7 @@ def _read_into(root: Path, targets: dict[str, Tensor], index: Any) -> dict[str, 
         return targets
     with warnings.catch_warnings():  # "assuming ... a single process": what is asked for
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        _shard_index.dcp_call(
+        _dcp_index.dcp_call(
             root,
             "reading the shards",
             dcp.load,
