@@ -31,6 +31,8 @@ The package, by idea (each module private; the names below are re-exported here)
 * ``_hparams``: :func:`read_hparams`, the run's hyperparameters as ``meta.json`` records them
 * ``_lightning``: :func:`from_lightning`, the weights of a Lightning ``.ckpt``
 * ``_io``: :class:`CheckpointIO`, the Trainer's plugin over the functions above
+* ``_layouts``: the seam a strategy's layout plugs into (a sharded state's and checkpoint's:
+  registered by ``engine.parallel``); the checkpoint code imports no strategy
 * ``_files``, ``_meta``, ``_checksum``, ``_snapshot``, ``_tree``, ``_opt_fit``: the format (a
   directory's files, ``meta.json``'s schema, chunked checksums, host snapshots, trees as JSON,
   whose optimizer state a checkpoint holds)
