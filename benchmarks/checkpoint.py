@@ -53,6 +53,7 @@ from torch import nn
 
 import engine as eg
 from engine import checkpoint, optim
+from engine.checkpoint import _files
 
 
 def _state() -> eg.TrainState:
@@ -111,7 +112,7 @@ def _round(
     state: eg.TrainState, root: Path, order: int, buffers: list[torch.Tensor]
 ) -> dict[str, float]:
     """One round: every variant once, into fresh files under ``root``; seconds by variant."""
-    tensors, _ = checkpoint._flatten(state)
+    tensors, _ = _files._flatten(state)
     ours, theirs, nocrc, later = root / "ours", root / "theirs.pt", root / "nocrc.pt", root / "a"
     times: dict[str, float] = {}
     saves: list[tuple[str, Callable[[], Any]]] = [
@@ -149,7 +150,7 @@ def measure(state: eg.TrainState, where: Path, rounds: int) -> dict[str, Any]:
     busy0, own0, wall0 = _busy_s(), time.process_time(), time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="engine-bench-", dir=where))
     checkpoint.release_buffers()  # the warm-up's asynchronous save allocates them
-    buffers = [torch.empty_like(t).fill_(0) for t in checkpoint._flatten(state)[0].values()]
+    buffers = [torch.empty_like(t).fill_(0) for t in _files._flatten(state)[0].values()]
     try:
         first_async = _round(state, root, 0, buffers)["async_blocked"]
         for r in range(rounds):
@@ -249,7 +250,7 @@ def measure_trainer(where: Path, rounds: int) -> dict[str, Any]:
 def run(rounds: int) -> dict[str, Any]:
     """Every figure, in every place; ``{"state_mb": ..., "disk": {...}, "tmpfs": {...}}``."""
     state = _state()
-    tensors, _ = checkpoint._flatten(state)
+    tensors, _ = _files._flatten(state)
     out: dict[str, Any] = {
         "state_mb": sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20,
         "rounds": rounds,

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from engine import _tree
+from engine.checkpoint import _tree
 from engine.rng import derive_seed
 
 __all__ = [

@@ -23,8 +23,8 @@ import xxhash
 from torch import nn
 
 import engine as eg
-from engine import _checksum, checkpoint, optim
-from engine.checkpoint import CheckpointError
+from engine import checkpoint, optim
+from engine.checkpoint import CheckpointError, _checksum, _files, _read, _save, _snapshot
 
 
 def _model(seed: int = 0, width: int = 8) -> nn.Module:
@@ -224,15 +224,15 @@ def test_a_crash_between_the_renames_of_a_replacement_loses_no_checkpoint(tmp_pa
 def test_leftovers_of_a_save_still_in_progress_are_left_alone(tmp_path):
     # a save holds a lock until it ends; the kernel drops it when its process dies, whatever the
     # process id (a container restarted with the same pid included)
-    with checkpoint._Claim(tmp_path) as claim:  # this process: a save in flight
+    with _files._Claim(tmp_path) as claim:  # this process: a save in flight
         claim.path("").mkdir()
         assert checkpoint.clean_leftovers(tmp_path) == []
         claim.path("").rmdir()  # as the save would, renaming it into place
     other = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from engine import checkpoint
-        with checkpoint._Claim(Path({str(tmp_path)!r})) as claim:
+        from engine.checkpoint import _files
+        with _files._Claim(Path({str(tmp_path)!r})) as claim:
             claim.path("").mkdir()
             print(claim.id, flush=True)
             sys.stdin.readline()  # until told
@@ -389,7 +389,7 @@ def test_a_bit_flip_anywhere_is_found_chunk_by_chunk(tmp_path, monkeypatch, layo
     # 4 KiB chunks: every zip header, storage and boundary case falls in some chunk
     monkeypatch.setattr(_checksum, "_CHUNK", 4096)
     if layout == "file":  # hash pages of its own mapping, not those torch.load mapped
-        monkeypatch.setattr(checkpoint, "_layout", lambda *a: None)
+        monkeypatch.setattr(_read, "_layout", lambda *a: None)
     state = _trained(accumulate=3, calls=7)
     path = checkpoint.save(state, tmp_path / "c")
     f = path / "tensors.pt"
@@ -478,7 +478,7 @@ def test_loads_and_saves_from_many_threads_at_once_all_finish(tmp_path):
 
 
 def _snapshot_pointers() -> dict[str, int]:
-    idle = checkpoint._SNAPSHOTS._idle
+    idle = _snapshot._SNAPSHOTS._idle
     assert idle is not None
     return {k: t.data_ptr() for k, t in idle.tensors.items()}
 
@@ -495,11 +495,11 @@ def test_asynchronous_saves_reuse_their_buffers_until_the_shapes_change(tmp_path
 
     wider = eg.TrainState.create(_model(seed=1, width=16), optim.adamw(1e-2))
     checkpoint.save_async(wider, tmp_path / "w").result()  # other shapes: new buffers
-    assert checkpoint._SNAPSHOTS._idle.tensors["params/0.weight"].shape == (16, 4)
+    assert _snapshot._SNAPSHOTS._idle.tensors["params/0.weight"].shape == (16, 4)
     template = eg.TrainState.create(_model(seed=2, width=16), optim.adamw(1e-2))
     assert checkpoint.load(tmp_path / "w", template).fingerprint() == wider.fingerprint()
     checkpoint.release_buffers()
-    assert checkpoint._SNAPSHOTS._idle is None
+    assert _snapshot._SNAPSHOTS._idle is None
 
 
 def test_saves_asked_for_while_an_asynchronous_one_is_in_flight_write_what_they_were_given(
@@ -508,7 +508,7 @@ def test_saves_asked_for_while_an_asynchronous_one_is_in_flight_write_what_they_
     checkpoint.release_buffers()
     gate = threading.Event()
     written_from: list[set[int]] = []
-    real_write = checkpoint._write
+    real_write = _save._write
 
     def held_write(tensors, meta, target):
         if threading.current_thread().name.startswith("engine-checkpoint"):
@@ -516,7 +516,7 @@ def test_saves_asked_for_while_an_asynchronous_one_is_in_flight_write_what_they_
             gate.wait(60)  # the first write stays in flight until the saves below were asked for
         return real_write(tensors, meta, target)
 
-    monkeypatch.setattr(checkpoint, "_write", held_write)
+    monkeypatch.setattr(_save, "_write", held_write)
     tx = optim.adamw(1e-2)
     step = eg.train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]), tx)
     state = eg.TrainState.create(_model(), tx)
@@ -545,18 +545,18 @@ def _template_adamw() -> eg.TrainState:
 
 def test_release_buffers_also_drops_those_of_a_save_in_flight(tmp_path, monkeypatch):
     gate = threading.Event()
-    real_write = checkpoint._write
+    real_write = _save._write
 
     def held_write(tensors, meta, target):
         gate.wait(60)
         return real_write(tensors, meta, target)
 
-    monkeypatch.setattr(checkpoint, "_write", held_write)
+    monkeypatch.setattr(_save, "_write", held_write)
     future = checkpoint.save_async(_trained(), tmp_path / "c")
     checkpoint.release_buffers()
     gate.set()
     future.result(timeout=60)
-    assert checkpoint._SNAPSHOTS._idle is None
+    assert _snapshot._SNAPSHOTS._idle is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import run_ranks
 from test_checkpoint_sharded import _full_state, _init, _shard
 
-from engine import _meta, checkpoint, cli
-from engine._checksum import _checksum
+from engine import checkpoint, cli
+from engine.checkpoint import _meta
+from engine.checkpoint._checksum import _checksum
 from engine.errors import CheckpointError
 
 pytestmark = pytest.mark.slow  # the module's checkpoint is saved by 2 spawned ranks

@@ -299,7 +299,7 @@ def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../secret.txt", "sub/tensors.pt", "..", ""])
 def test_meta_json_naming_a_file_outside_the_checkpoint_is_refused_re_signed_or_not(tmp_path, name):
-    from engine._checksum import _checksum
+    from engine.checkpoint._checksum import _checksum
 
     path = _saved(tmp_path)
     (tmp_path / "secret.txt").write_text("not yours")

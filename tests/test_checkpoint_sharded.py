@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _ranks import run_ranks
 
 import engine as eg
-from engine import _meta, checkpoint, optim
-from engine._checksum import _checksum
+from engine import checkpoint, optim
+from engine.checkpoint import _meta
+from engine.checkpoint._checksum import _checksum
 from engine.errors import CheckpointError
 
 pytestmark = pytest.mark.slow  # 2 spawned ranks each
@@ -443,10 +444,10 @@ def test_a_sharded_state_without_a_process_group_is_refused_at_save(tmp_path):
     assert not meta_file.exists()
     with pytest.raises(CheckpointError, match="no process group"):
         # a DTensor needs a mesh, hence a process group: refuse a sharded state the check
-        # sees without one by handing _sharded.save a state it classifies as sharded
-        from engine import _sharded
+        # sees without one by handing _dcp.save a state it classifies as sharded
+        from engine.parallel import _dcp
 
-        _sharded.save(
+        _dcp.save(
             _full_state(),
             meta_file,
             metrics=None,

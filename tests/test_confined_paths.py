@@ -23,7 +23,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 
 import engine as eg
-from engine import _meta, checkpoint, optim
+from engine import checkpoint, optim
+from engine.checkpoint import _meta
 from engine.errors import CheckpointError
 
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 import engine as eg
-from engine import _ckpt_files, _meta, checkpoint, optim
+from engine import checkpoint, optim
+from engine.checkpoint import _cleanup, _files, _load, _lock, _meta, _read, _report, _save, _weights
 
 KILLED = 77
 pytestmark = [
@@ -49,7 +50,12 @@ def _state(scale: float) -> eg.TrainState:
 
 OLD, NEW, TEMPLATE = _state(1.0), _state(2.0), _state(0.0)
 PRINTS = {OLD.fingerprint(): "old", NEW.fingerprint(): "new"}
-TRACED = {checkpoint.__file__, _ckpt_files.__file__, _meta.__file__, shutil.__file__}
+# the checkpoint package's code of saving, removing and cleaning (once engine/checkpoint.py) and
+# the files and meta.json it writes
+TRACED = {
+    m.__file__
+    for m in (checkpoint, _save, _cleanup, _lock, _read, _load, _weights, _report, _files, _meta)
+} | {shutil.__file__}
 
 
 def _start_killed_at(line: int, operation: Callable[[], object]) -> int:
@@ -95,7 +101,7 @@ def _visible(root: Path) -> dict[str, str]:
     """What is under a checkpoint's name in ``root``: every one must verify."""
     found = {}
     for p in sorted(root.iterdir()):
-        if p.name.startswith(checkpoint._TMP_PREFIX):
+        if p.name.startswith(_files._TMP_PREFIX):
             continue
         info = checkpoint.inspect(p)
         assert info["verified"], f"{p.name} is visible and damaged: {info['problem']}"
@@ -210,12 +216,12 @@ def test_a_save_to_a_path_a_pending_write_is_replacing_is_not_refused(tmp_path, 
         return listdir(path)
 
     monkeypatch.setattr(os, "listdir", moved_aside)
-    checkpoint._replaceable(target)  # no error
+    _files._replaceable(target)  # no error
     monkeypatch.setattr(os, "listdir", listdir)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "notes.txt").write_text("mine")
     with pytest.raises(checkpoint.CheckpointError, match=r"no meta\.json, not a checkpoint"):
-        checkpoint._replaceable(tmp_path / "data")
+        _files._replaceable(tmp_path / "data")
 
 
 def test_a_save_to_a_path_listed_while_its_old_checkpoint_is_deleted_aside_is_not_refused(
@@ -239,12 +245,12 @@ def test_a_save_to_a_path_listed_while_its_old_checkpoint_is_deleted_aside_is_no
         return names
 
     monkeypatch.setattr(os, "listdir", replaced_while_listed)
-    checkpoint._replaceable(target)  # no error
+    _files._replaceable(target)  # no error
     monkeypatch.setattr(os, "listdir", listdir)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "notes.txt").write_text("mine")  # the same listing, nothing replaced
     with pytest.raises(checkpoint.CheckpointError, match=r"no meta\.json, not a checkpoint"):
-        checkpoint._replaceable(tmp_path / "data")
+        _files._replaceable(tmp_path / "data")
 
 
 # --------------------------------------------------------------------------- random SIGKILLs
@@ -311,12 +317,12 @@ def test_sigkill_at_random_instants_of_a_top_k_fit_loses_nothing_completed(tmp_p
         # the run died holding the directory: its lock is left, and taken over by the next
         assert (root / checkpoint.RUN_LOCK).is_file()
         for p in root.iterdir():  # before cleaning: what is under a name verifies
-            if not p.name.startswith(checkpoint._TMP_PREFIX) and p.name != checkpoint.RUN_LOCK:
+            if not p.name.startswith(_files._TMP_PREFIX) and p.name != checkpoint.RUN_LOCK:
                 assert checkpoint.inspect(p)["verified"], p
         checkpoint.clean_leftovers(root)
         on_disk = {p.name: checkpoint.inspect(p) for p in root.iterdir()}
         assert all(info["verified"] for info in on_disk.values())
-        assert not any(n.startswith(checkpoint._TMP_PREFIX) for n in on_disk)
+        assert not any(n.startswith(_files._TMP_PREFIX) for n in on_disk)
         # "last" holds the newest step it landed with, or a later one being written
         last_step = max(int(step) for _, path, step in landed if Path(path).name == "last")
         assert on_disk["last"]["step"] >= last_step

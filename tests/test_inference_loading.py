@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import engine as eg
 from engine import checkpoint, optim
-from engine.checkpoint import CheckpointError, IncompatibleKeys
+from engine.checkpoint import CheckpointError, IncompatibleKeys, _read
+from engine.checkpoint import _weights as weights_module
 
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
 
@@ -170,13 +171,14 @@ def test_load_weights_copies_only_the_weights_out_of_the_file(tmp_path, monkeypa
     state = _trained()
     path = checkpoint.save(state, tmp_path / "c")
     materialized: list[str] = []
-    real = checkpoint._materialize
+    real = _read._materialize
 
     def spy(mapped, devices):
         materialized.extend(mapped)
         return real(mapped, devices)
 
-    monkeypatch.setattr(checkpoint, "_materialize", spy)
+    for module in (_read, weights_module):  # where the reads look it up
+        monkeypatch.setattr(module, "_materialize", spy)
     model = _frozen_net(seed=5)
     checkpoint.load_weights(path, model, device="cpu")  # copied straight from the mapped file
     assert materialized == [] and _same_bits(_module_tensors(model), _weights(state))

@@ -15,7 +15,7 @@ from torch import nn
 
 import engine as eg
 from engine import optim
-from engine._pickling import loads_code
+from engine.checkpoint._pickling import loads_code
 from engine.listeners import Journal
 
 
@@ -191,10 +191,10 @@ def test_async_saves_to_one_path_are_journaled_each_with_its_own_fingerprint(tmp
     # ends): each line holds the fingerprint of the state that save wrote, not the latest one
     import time
 
-    from engine import checkpoint
+    from engine.checkpoint import _save
 
-    real = checkpoint._write
-    monkeypatch.setattr(checkpoint, "_write", lambda *a, **k: time.sleep(0.05) or real(*a, **k))
+    real = _save._write
+    monkeypatch.setattr(_save, "_write", lambda *a, **k: time.sleep(0.05) or real(*a, **k))
 
     class SlowValidation(eg.Listener):
         def on_validation_start(self, rec):
@@ -230,8 +230,9 @@ import engine as eg
 from engine import checkpoint, optim
 from engine.listeners import Journal
 
-real = checkpoint._write
-checkpoint._write = lambda *a, **k: time.sleep(0.2) or real(*a, **k)
+from engine.checkpoint import _save
+real = _save._write
+_save._write = lambda *a, **k: time.sleep(0.2) or real(*a, **k)
 real_async = checkpoint.save_async
 root = Path(tempfile.mkdtemp())
 

@@ -285,7 +285,7 @@ def test_pickled_code_keeps_its_file_and_source_lines_after_the_file_is_gone(tmp
     import linecache
     import traceback
 
-    from engine._pickling import dumps_code, loads_code
+    from engine.checkpoint._pickling import dumps_code, loads_code
 
     source = tmp_path / "gone_module.py"
     source.write_text("def fail(x):\n    raise ValueError(f'bad {x}')  # the line to see\n")
@@ -379,7 +379,7 @@ def test_a_changed_task_is_reported_at_the_first_step_whose_loss_differs(tmp_pat
     def off_at_22(step):
         return sched(step) * (1.5 if step == 21 else 1.0)  # the lr of the 22nd update
 
-    from engine._pickling import dumps_code
+    from engine.checkpoint._pickling import dumps_code
 
     task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.adamw(off_at_22), lr=sched)
     (run / "task.pkl").write_bytes(dumps_code(task))
@@ -405,7 +405,7 @@ def test_a_journal_without_per_step_losses_replays_and_reports_the_interval(tmp_
     assert report.first_divergent_step is None
     assert "divergence lies in steps (20, 30]" in str(report)
     # the command line prints the same
-    from engine._pickling import dumps_code
+    from engine.checkpoint._pickling import dumps_code
     from engine.cli import main
 
     (run / "data.pkl").write_bytes(dumps_code(_changed_at(data, 21)))

@@ -83,7 +83,7 @@ def test_a_lightning_datamodule_run_replays_in_a_fresh_process(tmp_path, open_fi
     assert "replayed 15 steps (1..15)" in replayed.stdout
     assert "bitwise identical" in replayed.stdout
     # what was pickled: the datamodule without its trainer, or how to make it again
-    from engine._pickling import Rebuild
+    from engine.checkpoint._pickling import Rebuild
 
     payload = pickle.loads((run / "data.pkl").read_bytes())[2]
     assert (b"Rebuild" in payload) == open_file

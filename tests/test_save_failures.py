@@ -27,7 +27,7 @@ from torch import nn
 
 import engine as eg
 from engine import checkpoint, optim
-from engine.checkpoint import CheckpointError
+from engine.checkpoint import CheckpointError, _save
 
 QUIET = dict(
     logger=False, enable_progress_bar=False, enable_model_summary=False, enable_journal=False
@@ -134,7 +134,7 @@ def test_a_save_on_a_full_disk_fails_the_fit_and_the_ranking_names_only_landed_c
     tmp_path, monkeypatch, asynchronous
 ):
     disk = _FullDisk(int(2.5 * _checkpoint_size(tmp_path)))  # two saves fit, the third fails
-    monkeypatch.setattr(checkpoint, "open", disk.open, raising=False)
+    monkeypatch.setattr(_save, "open", disk.open, raising=False)
     mc = eg.ModelCheckpoint(
         dirpath=tmp_path / "ckpts", monitor="val/loss", save_top_k=5, asynchronous=asynchronous
     )
@@ -155,7 +155,7 @@ def test_a_failed_asynchronous_save_surfaces_at_the_next_event_not_only_at_the_e
     tmp_path, monkeypatch
 ):
     disk = _FullDisk(int(1.5 * _checkpoint_size(tmp_path)))  # the second save fails
-    monkeypatch.setattr(checkpoint, "open", disk.open, raising=False)
+    monkeypatch.setattr(_save, "open", disk.open, raising=False)
     epochs: list[int] = []
 
     class Epochs(eg.Listener):
@@ -180,7 +180,7 @@ def test_a_failed_save_of_last_keeps_the_previous_last_named_and_intact(tmp_path
     template = _task().init(_model())
     before = checkpoint.load(last, template).fingerprint()
     disk = _FullDisk(int(1.5 * _checkpoint_size(tmp_path)))  # the latest is written, not last
-    monkeypatch.setattr(checkpoint, "open", disk.open, raising=False)
+    monkeypatch.setattr(_save, "open", disk.open, raising=False)
     mc = eg.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
     with pytest.raises(CheckpointError, match=r"previous checkpoint at .*last is intact"):
         _fit(tmp_path / "second", [mc], max_epochs=3, ckpt_path="last")  # saves last again
@@ -196,7 +196,7 @@ def test_a_synchronous_save_on_a_full_disk_is_a_checkpoint_error_not_torchs_runt
     previous = checkpoint.save(small, tmp_path / "c")
     saved = {k: v.clone() for k, v in small.params.items()}
     big = eg.TrainState.create(nn.Linear(256, 256), optim.adam(1e-2), seed=2)
-    monkeypatch.setattr(checkpoint, "open", _FullDisk(100_000).open, raising=False)
+    monkeypatch.setattr(_save, "open", _FullDisk(100_000).open, raising=False)
     with pytest.raises(CheckpointError) as raised:
         checkpoint.save(big, tmp_path / "c")
     message = str(raised.value)

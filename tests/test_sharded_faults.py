@@ -101,7 +101,7 @@ def _injected(rank: int, disk: str, where: str) -> dict:
     rank 0's ``meta.json`` cannot be written."""
     from torch.distributed.checkpoint import filesystem
 
-    from engine import _sharded
+    from engine.parallel import _dcp
 
     mesh = _init()
     checkpoint.save(_shard(_full_state(), mesh), f"{disk}/c")
@@ -133,7 +133,7 @@ def _injected(rank: int, disk: str, where: str) -> dict:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
             return open(file, mode, *args, **kwargs)
 
-        _sharded.open = full_open  # type: ignore[attr-defined]  # the module's own open
+        _dcp.open = full_open  # type: ignore[attr-defined]  # the module's own open
     return _save_big(mesh, disk)
 
 

@@ -1,6 +1,6 @@
-"""A fit checks every directory it will write before its first step (``engine._writable``): a
-read-only or forbidden one is an error naming it and the flag that set it, not an ``OSError``
-at the first save after N steps of work.
+"""A fit checks every directory it will write before its first step
+(``engine.checkpoint._writable``): a read-only or forbidden one is an error naming it and the
+flag that set it, not an ``OSError`` at the first save after N steps of work.
 
 Tests run as root, where permission bits do not stop a write: the read-only case is a real
 read-only tmpfs (skipped where ``mount`` is refused), the forbidden one an injected ``EACCES``.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import engine as eg
-import engine._writable as writable
+import engine.checkpoint._writable as writable
 from engine import optim
 from engine.listeners import ModelCheckpoint
 from engine.loggers import CSVLogger, TensorBoardLogger

@@ -128,7 +128,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _print_sharded(info: dict) -> None:
     """The layout, and each parameter as the index holds it (where each chunk lies) beside
     what meta.json records of it."""
-    from engine._ckpt_report import chunk_text
+    from engine.checkpoint._report import chunk_text
 
     tensors = info.get("tensors") or {}
     index = info.get("index")

@@ -23,7 +23,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from engine import _opt_fit, checkpoint
+from engine import checkpoint
+from engine.checkpoint import _opt_fit
 from engine.events import Save
 from engine.metrics import MetricReducer
 from engine.parallel.positions import gather_to_rank_zero
@@ -317,7 +318,7 @@ class Checkpointer:
     ) -> TrainState:
         """The state in the checkpoint at ``path`` (``asked``: the ``ckpt_path`` given), with
         ``template``'s structure; a fit refuses a weights-only one, and any stage an optimizer
-        state that does not fit (:mod:`engine._opt_fit`, naming the run's optimizer)."""
+        state that does not fit (:mod:`engine.checkpoint._opt_fit`, naming the run's optimizer)."""
         with _opt_fit.loading(path, self.optimizer, stage=stage, asked=asked):
             return self._load(path, template, stage=stage, asked=asked)
 

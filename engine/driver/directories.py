@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from engine._writable import check_writable
+from engine.checkpoint._writable import check_writable
 from engine.driver.assembly import is_a
 from engine.driver.run import Run
 

@@ -63,8 +63,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from engine import _confine, checkpoint
+from engine import checkpoint
 from engine.events import EventRecord, Listener, RunView, Save
+from engine.listeners import _confine
 from engine.listeners.progress import write_message
 from engine.plan import LoopConfig, schedule
 

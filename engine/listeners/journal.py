@@ -46,7 +46,7 @@ from typing import IO, Any, NoReturn
 import torch
 
 from engine import checkpoint
-from engine._writable import append_whole, replace_whole
+from engine.checkpoint._writable import append_whole, replace_whole
 from engine.events import EventRecord, Listener, Save
 
 __all__ = ["Journal", "JournalError", "JournalWriteError"]
@@ -218,7 +218,7 @@ class Journal(Listener):
         self._size = os.fstat(self._file.fileno()).st_size
         if not self.replayable or rec.state is None:
             return
-        from engine._pickling import dump_skeleton, dumps_code, dumps_data
+        from engine.checkpoint._pickling import dump_skeleton, dumps_code, dumps_data
 
         self._dump(root / TASK, "the task", lambda: dumps_code(run.task))
         self._dump(root / MODEL, "the model's structure", lambda: dump_skeleton(rec.state))
@@ -319,7 +319,7 @@ class Journal(Listener):
         if not self._on or rec.state is None or rec.transition is None:
             return
         assert self.dirpath is not None
-        from engine._pickling import dumps_code
+        from engine.checkpoint._pickling import dumps_code
 
         index = self._transitions
         self._transitions += 1
@@ -482,7 +482,7 @@ class Journal(Listener):
 
     @staticmethod
     def _dump(path: Path, what: str, dumps: Any) -> None:
-        from engine._pickling import PayloadTooLarge
+        from engine.checkpoint._pickling import PayloadTooLarge
 
         try:
             payload = dumps()

@@ -33,7 +33,7 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.record_writer import register_writer_factory
 from tensorboardX.writer import FileWriter
 
-from engine._writable import append_whole, explain
+from engine.checkpoint._writable import append_whole, explain
 
 __all__ = ["SyncSummaryWriter"]
 

@@ -26,8 +26,8 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from engine._writable import append_whole as _append
-from engine._writable import explain, replace_whole
+from engine.checkpoint._writable import append_whole as _append
+from engine.checkpoint._writable import explain, replace_whole
 
 __all__ = [
     "Logger",

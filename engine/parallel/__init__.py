@@ -12,9 +12,13 @@ that say who each process is, and the launchers that start them.
   every rank's batch, on the CPU too (``DDP(sync_batchnorm=True)`` converts a model's).
 * :class:`CollectiveError`: one of engine's collectives failed (a rank did not join it within
   the strategy's ``timeout``, or died); it names the collective and the ranks.
+
+A sharded state's checkpoints are this package's too: importing it registers their layout with
+:mod:`engine.checkpoint` (``torch.distributed.checkpoint``'s IO, ``_dcp.py``, ``_dcp_layout.py``).
 """
 
 from engine.errors import CollectiveError
+from engine.parallel._dcp_layout import register as _register_checkpoint_layout
 from engine.parallel.ddp import DDP
 from engine.parallel.deepspeed import DeepSpeedStrategy
 from engine.parallel.fsdp import FSDP, full_state
@@ -33,3 +37,5 @@ __all__ = [
     "convert_sync_batchnorm",
     "full_state",
 ]
+
+_register_checkpoint_layout()  # checkpoint.save / load of a sharded state, and inspect

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine._pickling import Rebuild, load_skeleton, loads_code
+from engine.checkpoint._pickling import Rebuild, load_skeleton, loads_code
 from engine.listeners.journal import CONFIG, DATA, MODEL, TASK
 from engine.replaying._journal import _run_file
 from engine.replaying._report import ReplayError

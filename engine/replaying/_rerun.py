@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from engine._pickling import load_skeleton
+from engine.checkpoint._pickling import load_skeleton
 from engine.replaying._checker import _Checker, _RankZeroChecker
 from engine.replaying._journal import _checkpoints, _Lines, _overwritten, _untrusted
 from engine.replaying._loading import _load_run, _privacy

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine._pickling import loads_code
+from engine.checkpoint._pickling import loads_code
 from engine.events import EventRecord, Listener, Transition
 from engine.listeners.journal import JOURNAL
 from engine.replaying._journal import _fingerprint, _key, _line_key, _Lines, _run_file

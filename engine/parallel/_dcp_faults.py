@@ -1,5 +1,5 @@
 """What made a sharded save's write fail (private): the ``OSError`` behind it, so that a full
-disk is called a full disk on every rank (:mod:`engine._sharded`).
+disk is called a full disk on every rank (:mod:`engine.parallel._dcp`).
 
 ``torch.distributed.checkpoint`` writes each rank's shards with ``torch.save`` into a file it
 opened, and ``torch.save`` reports a failed write as a ``RuntimeError`` of its own

@@ -110,7 +110,7 @@ def check_writable(directories: Iterable[tuple[str | os.PathLike[str], str]]) ->
 
     Example:
         >>> import os, tempfile
-        >>> from engine._writable import check_writable
+        >>> from engine.checkpoint._writable import check_writable
         >>> check_writable([(os.path.join(tempfile.mkdtemp(), "new", "dir"), "Trainer(...)")])
     """
     seen: set[str] = set()

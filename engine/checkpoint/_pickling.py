@@ -166,7 +166,7 @@ def dump_skeleton(state: TrainState) -> bytes:
         >>> import torch
         >>> import engine as eg
         >>> from engine import optim
-        >>> from engine._pickling import dump_skeleton, load_skeleton
+        >>> from engine.checkpoint._pickling import dump_skeleton, load_skeleton
         >>> state = eg.TrainState.create(torch.nn.Linear(1000, 1000), optim.sgd(0.1))
         >>> payload = dump_skeleton(state)
         >>> len(payload) < 4000  # the 4 MB of weights are not in it

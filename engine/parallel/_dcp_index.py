@@ -33,7 +33,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from engine._meta import SHARDS, plain_name
+from engine.checkpoint._meta import SHARDS, plain_name
 from engine.errors import CheckpointError
 
 __all__: list[str] = []

@@ -25,7 +25,7 @@ before it is hashed. Older versions have no ``sizes``: they still load, their fi
 checked, their sizes not.
 
 Format version 6 is the sharded layout (``"layout": "sharded"``, written by every rank of a
-process group through ``torch.distributed.checkpoint``, see ``engine/_sharded.py``): its data
+process group through ``torch.distributed.checkpoint``, see ``engine/parallel/_dcp.py``): its data
 files lie in the ``shards/`` subdirectory and are named ``shards/<plain name>``; it records the
 ``world_size`` it was saved on and each tensor's global shape, dtype and placement
 (``tensors``). An ordinary checkpoint (one ``tensors.pt``) is still written as version 5.

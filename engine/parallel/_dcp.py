@@ -43,9 +43,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from engine import _meta, _shard_index
-from engine._checksum import _checksum, _start_checksum
-from engine._ckpt_files import (
+from engine.checkpoint._checksum import _checksum, _start_checksum
+from engine.checkpoint._files import (
     META,
     _Claim,
     _describe,
@@ -56,10 +55,17 @@ from engine._ckpt_files import (
     _short,
     _write_failed,
 )
-from engine._meta import SHARDED, SHARDS
+from engine.checkpoint._meta import (
+    SHARDED,
+    SHARDED_FORMAT_VERSION,
+    SHARDS,
+    encode,
+    not_plain,
+    shard_name,
+)
 from engine.errors import CheckpointError
 from engine.optim.base import state_dict as opt_state_dict
-from engine.parallel import _watchdog
+from engine.parallel import _dcp_index, _watchdog
 from engine.state import TrainState
 
 __all__: list[str] = []
@@ -90,7 +96,7 @@ def _agree(error: BaseException | None, target: Path, stage: str, group: Any = N
     one on every rank, naming the rank), then this rank's own error."""
     world = dist.get_world_size()
     told: list[Any] = [None] * world
-    mine = None if error is None else _shard_index.one_line(error)  # never a nested traceback
+    mine = None if error is None else _dcp_index.one_line(error)  # never a nested traceback
     # an OSError's errno travels with it: a full disk is called one on every rank
     number = error.errno if isinstance(error, OSError) else None
     _exchange(dist.all_gather_object, target, stage, told, (mine, number), group=group)
@@ -190,7 +196,7 @@ def _prepare(
         _exchange(lambda: found.append(state.fingerprint()), target, "fingerprinting")
         meta["fingerprint"] = found[0]
     meta.update(
-        format_version=_meta.SHARDED_FORMAT_VERSION,
+        format_version=SHARDED_FORMAT_VERSION,
         layout=SHARDED,
         world_size=world,
         tensors=_describe_tensors(tensors),
@@ -243,7 +249,7 @@ def save_async(state: TrainState, target: Path, **kwargs: Any) -> Future[Path]:
     """:func:`engine.checkpoint.save_async` of a sharded state: the agreement, the
     fingerprint (when asked) and a copy of this rank's shards now; DCP's write, the checksums
     and the rename on the writer thread, their collectives on a gloo group of their own."""
-    from engine._checksum import _WRITER
+    from engine.checkpoint._checksum import _WRITER
 
     _require_group(target)
     group = _side_group()
@@ -256,7 +262,7 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
     rename; the collectives on ``group`` (``None``: the default group)."""
     import torch.distributed.checkpoint as dcp
 
-    from engine import _shard_faults
+    from engine.parallel import _dcp_faults
 
     rank = dist.get_rank()
     claim = None
@@ -280,13 +286,13 @@ def _write(tensors: dict[str, Tensor], meta: dict[str, Any], target: Path, group
         noticed = None
         try:
             writer = dcp.FileSystemWriter(shards, sync_files=True, overwrite=False)
-            # DCP's own call, not _shard_index.dcp_call: _shard_faults reads every rank's
+            # DCP's own call, not _dcp_index.dcp_call: _dcp_faults reads every rank's
             # failure from its CheckpointException, and _agree says it in one line
-            noticed = _shard_faults.noticing(writer)  # the OSError behind torch.save's own
+            noticed = _dcp_faults.noticing(writer)  # the OSError behind torch.save's own
             dcp.save(tensors, storage_writer=writer, process_group=group)
         except BaseException as e:
             noted = noticed.error if noticed is not None else None
-            problem = _shard_faults.cause(e, noted, dist.get_rank(group))
+            problem = _dcp_faults.cause(e, noted, dist.get_rank(group))
         _agree(problem, target, "writing its shards", group)
         outcome: list[Any] = [None]
         if rank == 0:
@@ -334,7 +340,7 @@ def _commit(meta: dict[str, Any], tmp: Path, target: Path, claim: Any) -> None:
         files[f"{SHARDS}/{n}"] = _checksum(shards / n)
         sizes[f"{SHARDS}/{n}"] = os.path.getsize(shards / n)
     with open(tmp / META, "wb") as out:
-        out.write(_meta.encode({**meta, "files": files, "sizes": sizes}))
+        out.write(encode({**meta, "files": files, "sizes": sizes}))
         out.flush()
         os.fsync(out.fileno())
     _fsync_dir(tmp)
@@ -347,7 +353,7 @@ def _commit(meta: dict[str, Any], tmp: Path, target: Path, claim: Any) -> None:
 def verify(root: Path, meta: Mapping[str, Any]) -> Any:
     """Check every file of the sharded checkpoint at ``root``: a name under ``shards/``, a
     regular file of the size recorded, its checksum; then DCP's index, read safely and checked
-    against ``meta.json`` (engine/_shard_index.py). Returns that index: the loaders hand it to
+    against ``meta.json`` (engine/_dcp_index.py). Returns that index: the loaders hand it to
     DCP, which reads no other."""
     files = dict(meta["files"])
     sizes = meta.get("sizes") or {}
@@ -358,8 +364,8 @@ def verify(root: Path, meta: Mapping[str, Any]) -> Any:
             "checkpoint reads only files of its own: refused"
         )
     for name in files:
-        if not _meta.shard_name(name):
-            raise CheckpointError(_meta.not_plain(root / META, name))
+        if not shard_name(name):
+            raise CheckpointError(not_plain(root / META, name))
         file = root / name
         try:
             st = os.lstat(file)
@@ -387,9 +393,9 @@ def verify(root: Path, meta: Mapping[str, Any]) -> Any:
         )
     # the index first (its checksum, then its entries against meta.json): a shard is read
     # (hashed, then loaded) only once the index is known to point into the checkpoint alone
-    index_name = f"{SHARDS}/{_shard_index.INDEX}"
+    index_name = f"{SHARDS}/{_dcp_index.INDEX}"
     _checksums(root, {index_name: files[index_name]})
-    index = _shard_index.checked(root, meta)
+    index = _dcp_index.checked(root, meta)
     _checksums(root, {n: d for n, d in files.items() if n != index_name})
     return index
 
@@ -412,7 +418,7 @@ def _checksums(root: Path, files: Mapping[str, str]) -> None:
 
 def _reader(root: Path, index: Any) -> Any:
     """DCP's file reader of ``root``'s shards, handed ``index`` (checked by
-    :func:`engine._shard_index.checked`) instead of reading ``.metadata`` again."""
+    :func:`engine._dcp_index.checked`) instead of reading ``.metadata`` again."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -440,7 +446,7 @@ def _read_into(root: Path, targets: dict[str, Tensor], index: Any) -> dict[str, 
         return targets
     with warnings.catch_warnings():  # "assuming ... a single process": what is asked for
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        _shard_index.dcp_call(
+        _dcp_index.dcp_call(
             root,
             "reading the shards",
             dcp.load,

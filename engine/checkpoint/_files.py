@@ -1,5 +1,6 @@
 """A checkpoint directory's contents and its atomic write primitives (private), shared by full
-checkpoints (``engine.checkpoint``) and sharded ones (``engine._sharded``); it imports neither.
+checkpoints (the rest of ``engine.checkpoint``) and sharded ones (``engine.parallel._dcp``); it
+imports neither.
 
 What a TrainState becomes on disk: its tensors as one flat ``{key: tensor}`` dict
 (:func:`_flatten`: ``params/<name>``, ``opt_state/<path>``, ...) and the record ``meta.json``
@@ -30,8 +31,9 @@ try:
 except ImportError:  # not POSIX: leftovers cannot be told from saves in progress
     fcntl = None  # type: ignore[assignment]
 
-from engine import _tree, _version
-from engine._meta import FORMAT_VERSION
+from engine import _version
+from engine.checkpoint import _tree
+from engine.checkpoint._meta import FORMAT_VERSION
 from engine.errors import CheckpointError
 from engine.optim.base import state_dict as opt_state_dict
 from engine.state import TrainState
