@@ -255,6 +255,18 @@ class Trainer(RunViews):
             return self._stage(stage, args)
         return launcher.launch(_launched, self, stage, args)
 
+    def _launched_stage(self, stage: str, args: tuple[Any, ...]) -> Any:
+        """The stage in a process a launcher started: no launching again; a spawned run's
+        caller gets what the strategy says goes back (a sharded state gathered whole)."""
+        self._inside_launch = True
+        try:
+            out = self._stage(stage, args)
+            if os.environ.get(LAUNCHED_BY_VAR, "").startswith("spawn:"):
+                out = self._assembly.strategy.spawned_result(out)  # every rank joins
+            return out
+        finally:
+            self._inside_launch = False
+
     def _stage(self, stage: str, args: tuple[Any, ...]) -> Any:
         """The stage in this process, with a new :class:`~engine.driver.run.Run`."""
         signals = SignalCatcher()
@@ -280,13 +292,4 @@ class Trainer(RunViews):
 def _launched(trainer: Trainer, stage: str, args: tuple[Any, ...]) -> Any:
     """A stage in a process a launcher started (or in rank 0 of the launching one): it joins
     the run's process group and runs, without launching again."""
-    trainer._inside_launch = True
-    try:
-        out = trainer._stage(stage, args)
-        if os.environ.get(LAUNCHED_BY_VAR, "").startswith("spawn:"):
-            # the caller of a spawned run has no process group: the strategy says what goes
-            # back (a sharded state gathered whole on every rank)
-            out = trainer.assembly.strategy.spawned_result(out)
-        return out
-    finally:
-        trainer._inside_launch = False
+    return trainer._launched_stage(stage, args)
