@@ -26,7 +26,6 @@ from torch.utils.data import (
     Sampler,
 )
 
-from engine import data
 from engine.data import (
     SeededDataset,
     ShuffleSampler,
@@ -39,6 +38,9 @@ from engine.data import (
     shard_loader,
     shard_start,
 )
+from engine.data._batch_keys import _BatchKey, _BatchKeys, _unkey
+from engine.data._sharding import _Shard, _unshard
+from engine.data._wrappers import _base
 
 
 def _flat(loader: DataLoader) -> list[int]:
@@ -307,7 +309,7 @@ def test_restore_undoes_the_shard_and_the_rest_in_any_order(order):
     steps = _wrap_steps(dl)
     for name in order:
         steps[name]()
-        assert data._base(bs.sampler) is base  # _base sees through every wrapper
+        assert _base(bs.sampler) is base  # _base sees through every wrapper
         assert not order_outside_the_state(dl)
     assert len(dl) == 3  # rank 1's 6 samples of the 12 dealt
     restore_loader(dl)
@@ -321,11 +323,11 @@ def test_restore_undoes_each_wrapper_alone_after_sharding():
     base = dl.sampler
     shard_loader(dl, 0, 2, pad=True)
     seed_batches(dl, seed=0, epoch=0)
-    data._unkey(dl)  # the keys alone: the shard stays
-    assert isinstance(dl.batch_sampler.sampler, data._Shard) and len(dl) == 2
+    _unkey(dl)  # the keys alone: the shard stays
+    assert isinstance(dl.batch_sampler.sampler, _Shard) and len(dl) == 2
     seed_batches(dl, seed=0, epoch=0)
-    data._unshard(dl)  # the shard alone, below the keys: the keys stay
-    assert isinstance(dl.batch_sampler.sampler, data._BatchKeys)
+    _unshard(dl)  # the shard alone, below the keys: the keys stay
+    assert isinstance(dl.batch_sampler.sampler, _BatchKeys)
     assert dl.batch_sampler.sampler.sampler is base and len(dl) == 4
     restore_loader(dl)
     assert dl.batch_sampler.sampler is base
@@ -458,8 +460,8 @@ def test_a_shard_start_is_refused_off_the_world_sizes_grid():
 # ------------------------------------------------------------ per-batch seeds by global position
 
 
-def _keys(dl) -> list[data._BatchKey]:
-    return [x for x in dl.batch_sampler.sampler if type(x) is data._BatchKey]
+def _keys(dl) -> list[_BatchKey]:
+    return [x for x in dl.batch_sampler.sampler if type(x) is _BatchKey]
 
 
 def test_batch_keys_carry_the_global_position_of_the_first_sample():

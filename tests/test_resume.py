@@ -15,6 +15,7 @@ from torch import nn
 
 import engine as eg
 from engine import checkpoint, optim
+from engine.data._position import _SkipFirst
 
 
 def _task() -> eg.Task:
@@ -253,7 +254,7 @@ def test_an_unshuffled_data_loader_resumes_mid_epoch_without_loading_the_skipped
         resumed = _trainer(max_epochs=2).fit(task, task.init(_model()), loader, ckpt_path=ckpt)
     assert resumed.fingerprint() == full.fingerprint()
     assert ds.loaded == 40 - 12
-    assert not isinstance(loader.batch_sampler.sampler, eg.data._SkipFirst)  # put back
+    assert not isinstance(loader.batch_sampler.sampler, _SkipFirst)  # put back
     assert len(list(loader)) == 10
 
 
@@ -501,4 +502,4 @@ def test_every_training_loader_a_fit_positioned_is_put_back(tmp_path):
     assert len(dm.made) == 3
     for loader in dm.made:
         assert loader.sampler.generator is None
-        assert not isinstance(loader.batch_sampler.sampler, eg.data._SkipFirst)
+        assert not isinstance(loader.batch_sampler.sampler, _SkipFirst)

@@ -59,7 +59,7 @@ def position_unit(loader: Any) -> int | None:
     import torch
     from torch.utils.data import BatchSampler, DataLoader
 
-    from engine import data
+    from engine.data import _wrappers as data
 
     if not isinstance(loader, DataLoader) or isinstance(
         loader.dataset, torch.utils.data.IterableDataset

@@ -26,8 +26,8 @@ reaches on the same batches, within float rounding (1e-6) and, on CPU, bitwise w
 kernels allow, which ``tests/test_ensemble.py`` checks: the optimizer stays engine's own
 (fused and in place where ``train_step``'s is), its fused kernels get each member's slice as a
 tensor of its own and its ``torch._foreach_*`` ops run on the stacked tensors
-(``engine/_stacked.py``), which has given the same bits for SGD, Adam(W) (fused and foreach),
-RMSprop, Adagrad, Lion and global-norm clipping; the gradients come from
+(``engine/ensemble/_stacked.py``), which has given the same bits for SGD, Adam(W) (fused and
+foreach), RMSprop, Adagrad, Lion and global-norm clipping; the gradients come from
 ``torch.func.grad_and_value`` under vmap, whose batched kernels (matrix products, reductions
 over the batch) round like the unbatched ones for some shapes and not for others (the MLPs of
 the tests, batch 16, bitwise; batch 8 an ulp off in some gradients; batch norm 1e-8).
@@ -69,7 +69,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from engine._stacked import StackedKernels
+from engine.ensemble._stacked import StackedKernels
 from engine.optim.base import GradientTransformation, apply_updates
 from engine.optim.inject import InjectHyperparamsState, set_hyperparams
 from engine.state import TrainState
@@ -605,7 +605,7 @@ def ensemble_step(
     Each member runs what ``engine.train_step(loss_fn, tx)`` runs on its own state: the
     gradients of ``loss_fn`` (``torch.func.grad_and_value``, under ``torch.func.vmap``), then
     ``tx``'s terminal ``apply`` (or ``update`` and ``apply_updates``), whose ``_foreach`` ops and
-    fused kernels run once on the stacked tensors, in place (see ``engine/_stacked.py``).
+    fused kernels run once on the stacked tensors, in place (see ``engine/ensemble/_stacked.py``).
 
     Args:
         loss_fn: ``loss_fn(model, batch) -> loss`` or ``(loss, metrics)``, as for

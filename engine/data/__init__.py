@@ -1,0 +1,86 @@
+"""Dataloader plumbing for the Trainer: resolving sources, counting batches, limits, lookahead;
+seeded order and randomness; resume positions; sharding across ranks.
+
+Any iterable of batches works (a ``torch.utils.data.DataLoader``, a list, a generator
+factory); a *datamodule* is any object with ``train_dataloader()`` / ``val_dataloader()`` /
+``test_dataloader()`` / ``predict_dataloader()`` methods.
+
+The package, bottom up (each module imports only those above it in this list):
+
+* ``_wrappers``: the loader-wrapper protocol, what a fit puts around a loader's samplers;
+* ``_sources``: loaders and datamodules resolved, batches counted and limited, lookahead,
+  stateful loaders and their JSON state, ``batch_size``;
+* ``_seeding``: :class:`SeededDataset`, :class:`ShuffleSampler`, :func:`seed_shuffle`,
+  :func:`order_outside_the_state`;
+* ``_sharding``: :func:`shard_loader`, :func:`shard_start` and their samplers;
+* ``_batch_keys``: per-batch randomness, :func:`seed_batches` and its dataset and worker hooks,
+  :func:`randomness_outside_the_state`;
+* ``_position``: :func:`position_loader` (the skip of a resumed epoch's first batches) and
+  :func:`restore_loader`.
+"""
+
+from __future__ import annotations
+
+from engine.data._batch_keys import randomness_outside_the_state, seed_batches
+from engine.data._position import position_loader, restore_loader
+from engine.data._seeding import (
+    SampleKey,
+    SeededDataset,
+    ShuffleSampler,
+    order_outside_the_state,
+    seed_shuffle,
+)
+from engine.data._sharding import shard_loader, shard_start
+from engine.data._sources import (
+    batch_size as batch_size,  # not in __all__: the loops' batch size, as Lightning counts it
+)
+from engine.data._sources import (
+    count_batches,
+    datamodule_loaders,
+    is_datamodule,
+    limit_batches,
+    lookahead,
+    resolve_loaders,
+    setup_datamodule,
+    state_from_json,
+    state_to_json,
+    stateful,
+    teardown_datamodule,
+)
+
+# What a loader pickled by an engine before this package (a run directory's data.pkl) may
+# reference by its old name, engine.data.<name>: the wrappers a fit puts in a loader and the
+# hooks it gives its dataset and workers.
+# isort: split
+from engine.data._batch_keys import _BatchFetch as _BatchFetch
+from engine.data._batch_keys import _BatchKey as _BatchKey
+from engine.data._batch_keys import _BatchKeys as _BatchKeys
+from engine.data._batch_keys import _HookWorkers as _HookWorkers
+from engine.data._position import _SkipFirst as _SkipFirst
+from engine.data._sharding import _Shard as _Shard
+from engine.data._sharding import _ShardBatches as _ShardBatches
+
+__all__ = [
+    "SampleKey",
+    "SeededDataset",
+    "ShuffleSampler",
+    "count_batches",
+    "datamodule_loaders",
+    "is_datamodule",
+    "limit_batches",
+    "lookahead",
+    "order_outside_the_state",
+    "position_loader",
+    "randomness_outside_the_state",
+    "resolve_loaders",
+    "restore_loader",
+    "seed_batches",
+    "seed_shuffle",
+    "setup_datamodule",
+    "shard_loader",
+    "shard_start",
+    "state_from_json",
+    "state_to_json",
+    "stateful",
+    "teardown_datamodule",
+]
