@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import engine as eg
 from benchmarks.step import batch, mlp
 from engine import ensemble, optim
-from engine.step import _view
+from engine.step._model_view import _view
 
 SIZES = (32, 64, 64, 10)
 BATCH = 64

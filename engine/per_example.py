@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from engine import rng
 from engine.state import TrainState
-from engine.step import LossFn, _cuda_devices, _set_mode, _split, _view
+from engine.step._common import LossFn, _cuda_devices, _set_mode, _split
+from engine.step._model_view import _view
 
 __all__ = [
     "check_per_example_module",

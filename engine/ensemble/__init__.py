@@ -73,7 +73,9 @@ from engine.ensemble._stacked import StackedKernels
 from engine.optim.base import GradientTransformation, apply_updates
 from engine.optim.inject import InjectHyperparamsState, set_hyperparams
 from engine.state import TrainState
-from engine.step import CustomStep, LossFn, Metrics, _split, _view
+from engine.step import CustomStep, LossFn, Metrics
+from engine.step._common import _split
+from engine.step._model_view import _view
 
 __all__ = [
     "SEEDS",

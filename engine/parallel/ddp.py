@@ -50,12 +50,12 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from engine import step as _step
 from engine.errors import CollectiveError
 from engine.metrics import distributed_sync
 from engine.parallel import _watchdog, lengths
 from engine.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from engine.state import TrainState
+from engine.step import _model_view as _step
 from engine.transforms.base import Strategy
 
 __all__ = ["DDP"]

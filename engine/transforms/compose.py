@@ -40,11 +40,11 @@ from engine.step import (
     PredictStep,
     TrainStep,
     UpdateFn,
-    _call_model,
     grad_core,
     reporting_grad_norm,
     update_core,
 )
+from engine.step._infer import _call_model
 from engine.transforms.base import Strategy, Transform
 from engine.transforms.common import (
     Clip,

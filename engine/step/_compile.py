@@ -1,0 +1,109 @@
+"""Compiled cores (private): ``_Compiled`` compiles a pure core once per module, with the module
+closed over and its slots bound around each call; :func:`compile_core` and
+:func:`gathers_in_graph` are its public handles.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from engine.step._model_view import _binder, _Prebound
+
+_COMPILED_IDS = itertools.count()
+
+# modules whose compiled steps gather their parameters inside the graph (a sharding strategy)
+_GATHERING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_GATHERING_PURE: list[bool] = []
+
+
+def gathers_in_graph(module: nn.Module | None) -> None:
+    """Mark ``module``'s compiled steps (``None``: pure-function models') as holding
+    collectives Inductor's C++ wrapper does not take: they are compiled with the Python one."""
+    if module is None:
+        _GATHERING_PURE[:] = [True]
+    else:
+        _GATHERING.add(module)
+
+
+class _Compiled:
+    """Compiles ``core(module, *args)`` once per module, with the module closed over.
+
+    Passing the module as an argument would make Dynamo guard its whole structure on every call
+    (about 40 us a step on the tiny benchmark MLP); a closure is checked by identity.
+    """
+
+    def __init__(self, core: Callable, options: Mapping[str, Any]) -> None:
+        self.core = core
+        self.options = {"fullgraph": True, **options}
+        self.tuned = "mode" not in options and "options" not in options
+        self.by_module: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
+        self.pure: Callable | None = None
+        # Dynamo traces torch.autograd.grad only with this flag, and reads it only while
+        # tracing. It is set for the process rather than scoped to each call: changing Dynamo's
+        # config between calls costs about 100 us a step (the cache lookup re-checks it).
+        torch._dynamo.config.trace_autograd_ops = True
+
+    def _build(self, module: nn.Module | None, params: Mapping[str, Tensor]) -> Callable:
+        core = self.core
+        # The module's slots are bound to the state's tensors around each call (see __call__),
+        # so the traced code calls the module directly: tracing functional_call instead adds
+        # ~350 guards and costs ~40 us a step on the tiny benchmark MLP.
+        target = None if module is None else _Prebound(module)
+
+        def bound(*args: Any) -> Any:
+            return core(target, *args)
+
+        # Dynamo keeps its compiled graphs, and counts recompilations against a limit of 8, per
+        # code object: with one code object for every step built, the ninth compiled step of a
+        # process would fail. Each step gets a code object of its own.
+        code = bound.__code__.replace(co_name=f"compiled_step_{next(_COMPILED_IDS)}")
+        bound = types.FunctionType(code, bound.__globals__, code.co_name, None, bound.__closure__)
+        options = dict(self.options)
+        if self.tuned:
+            # Per-call overhead dominates small steps. Inductor re-checks every input's size and
+            # stride before each call, which Dynamo's guards already did (~30 us a step on the
+            # tiny benchmark MLP); on CPU its C++ wrapper saves another ~10 us and compiles no
+            # slower than the Python one.
+            # A sharded model's graph holds all-gathers, whose arguments the C++ wrapper does
+            # not take (see gathers_in_graph).
+            on_cpu = all(t.device.type == "cpu" for t in params.values())
+            gathers = module in _GATHERING if module is not None else bool(_GATHERING_PURE)
+            options["options"] = {"size_asserts": False, "cpp_wrapper": on_cpu and not gathers}
+        return torch.compile(bound, **options)
+
+    def __call__(
+        self,
+        module: nn.Module | None,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        *args: Any,
+    ) -> Any:
+        if module is None:
+            if self.pure is None:
+                self.pure = self._build(None, params)
+            return self.pure(params, buffers, *args)
+        fn = self.by_module.get(module)
+        if fn is None:
+            fn = self.by_module[module] = self._build(module, params)
+        tensors = {**params, **buffers} if buffers else params
+        return _binder(module).call(fn, tensors, (params, buffers, *args), {})
+
+
+def compile_core(core: Callable, options: Mapping[str, Any] | None = None) -> Callable:
+    """``core(module, params, buffers, *args)`` compiled with ``torch.compile`` (``options``),
+    the module closed over and its slots bound to the given tensors around each call: how a
+    step compiles its pure cores (:class:`engine.transforms.Compile`)."""
+    return _Compiled(core, options or {})
+
+
+def _maybe_compile(fn: Callable, compile: bool | Mapping[str, Any]) -> Callable:
+    if compile is False:
+        return fn
+    return _Compiled(fn, compile if isinstance(compile, Mapping) else {})

@@ -1,0 +1,290 @@
+"""The training step (private): :class:`TrainStep`, one micro-batch of training from the pure
+cores (gradient accumulation as state, frozen parameters, seeded randomness), and its builder
+:func:`train_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine import rng
+from engine.optim.base import GradientTransformation
+from engine.optim.freezing import frozen_reader
+from engine.state import TrainState
+from engine.step._common import (
+    Batch,
+    LossFn,
+    Metrics,
+    _cuda_devices,
+    _metrics,
+    _set_mode,
+    _split,
+)
+from engine.step._compile import _maybe_compile
+from engine.step._cores import (
+    Forward,
+    GradFn,
+    PartlyFrozen,
+    UpdateFn,
+    grad_core,
+    total_norm,
+    update_core,
+)
+from engine.step._model_view import Bind, _view
+
+
+class TrainStep:
+    """``(state, batch) -> (state, metrics)``: one micro-batch of training.
+
+    Built by :func:`train_step` (see there for the arguments) or, with step transforms, by
+    :meth:`engine.transforms.Pipeline.train_step`: ``grad_fn`` (default :func:`grad_core`)
+    computes the gradients, ``update_fn`` (default :func:`update_core` of ``tx`` and ``clip``)
+    applies them, and ``wrap_core`` wraps each of the two pure cores below (compilation).
+    ``extra_keys`` names the ``TrainState.extra`` entries the gradient computation reads: each
+    step passes them to it as :attr:`Forward.extra` (a transform's numbers kept as state, such
+    as DP-SGD's noise multiplier).
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        tx: GradientTransformation,
+        *,
+        accumulate: int,
+        donate: bool,
+        compile: bool | Mapping[str, Any] = False,
+        clip: GradientTransformation | None = None,
+        grad_norm: bool = False,
+        grad_fn: GradFn | None = None,
+        update_fn: UpdateFn | None = None,
+        wrap_core: Callable[[Callable], Callable] | None = None,
+        rng_devices: Callable[[TrainState], tuple[int | str, ...]] | None = None,
+        rank: int = 0,
+        bind: Bind | None = None,
+        extra_keys: tuple[str, ...] = (),
+    ) -> None:
+        self.loss_fn = loss_fn
+        self._bind = bind  # the transforms' view of the parameters (Transform.bind)
+        # the TrainState.extra entries the gradient computation reads (Forward.extra)
+        self._extra_keys = extra_keys
+        self._rank = rank  # the data-parallel rank: its own random numbers (rng.derive_seed)
+        self.tx = tx
+        self.clip = clip
+        self.grad_norm = grad_norm
+        self.accumulate = accumulate
+        self.donate = donate
+        self.compile = compile
+        self._grad_fn = grad_fn or grad_core
+        self._update_fn = update_fn or update_core(tx, clip)
+        self._rng_devices = rng_devices or _cuda_devices
+        wrap = wrap_core or (lambda core: _maybe_compile(core, compile))
+        self._update = wrap(self._update_core)
+        self._accumulate = wrap(self._accumulate_core) if accumulate > 1 else self._accumulate_core
+
+    _reader: Any = ()  # () until the first step looks for a frozen set in the optimizer state
+
+    def _frozen(self, opt_state: Any) -> tuple[str, ...] | None:
+        """The parameters an ``optim.freezable`` optimizer freezes now, sorted (``None``
+        without one: a constant, so a compiled core is not re-specialised)."""
+        if self._reader == ():
+            self._reader = frozen_reader(opt_state)
+        if self._reader is None:
+            return None
+        return tuple(sorted(self._reader(opt_state))) or None
+
+    # The two pure cores (tensors in, tensors out, buffers donated). Kept free of Python
+    # branches on values so torch.compile captures each as one graph.
+
+    def _grads(self, module, params, buffers, precision, batch, frozen, extra, first):
+        def run(tensors, batch):
+            view = _view(module, tensors, buffers, self._bind)
+            return _split(self.loss_fn(view, batch), "loss_fn")
+
+        forward = Forward(run, params, batch, extra=extra, first=first)
+        if frozen:
+            params_list: list[Tensor] = PartlyFrozen(
+                p.detach() if k in frozen else p for k, p in params.items()
+            )
+        else:
+            params_list = list(params.values())
+        grads, loss, aux = self._grad_fn(forward, params_list, self.accumulate, precision)
+        return grads, _metrics(loss, aux)
+
+    def _update_core(
+        self, module, params, buffers, opt_state, precision, grad_accum, step, batch, frozen, extra
+    ):
+        first = grad_accum is None
+        grads, metrics = self._grads(
+            module, params, buffers, precision, batch, frozen, extra, first
+        )
+        with torch.no_grad():
+            if grad_accum is not None:
+                torch._foreach_add_(grads, list(grad_accum.values()))
+            grads = dict(zip(params, grads, strict=True))
+            if self.grad_norm:
+                metrics["grad_norm"] = total_norm(grads)
+            opt_state, precision, reported = self._update_fn(
+                grads, params, opt_state, precision, step
+            )
+        if reported:
+            metrics.update(reported)
+        return opt_state, precision, metrics
+
+    def _accumulate_core(
+        self, module, params, buffers, precision, grad_accum, batch, frozen, extra
+    ):
+        first = grad_accum is None
+        grads, metrics = self._grads(
+            module, params, buffers, precision, batch, frozen, extra, first
+        )
+        if grad_accum is None:
+            return dict(zip(params, grads, strict=True)), metrics
+        with torch.no_grad():
+            torch._foreach_add_(list(grad_accum.values()), grads)
+        return grad_accum, metrics
+
+    def __call__(
+        self, state: TrainState, batch: Batch, *, flush: bool = False
+    ) -> tuple[TrainState, Metrics]:
+        """Train on one micro-batch.
+
+        Args:
+            state: the current state; consumed unless the step was built with ``donate=False``.
+            batch: whatever ``loss_fn`` takes.
+            flush: step the optimizer after this micro-batch even if the accumulation window is
+                not full (Lightning does this on the last batch of an epoch).
+
+        Returns:
+            The new state and the metrics of this micro-batch (``"loss"`` plus the loss
+            function's own), as tensors.
+        """
+        if self.donate:
+            state._consume("train_step")
+        else:
+            state = state.copy()
+        _set_mode(state.module, True)
+        micro = state.micro_step
+        apply = flush or micro + 1 >= self.accumulate
+        frozen = self._frozen(state.opt_state)
+        extra = (
+            {k: state.extra[k] for k in self._extra_keys if k in state.extra}
+            if self._extra_keys
+            else None
+        )
+        seed = rng.derive_seed(state.seed, state.step, micro, rank=self._rank)
+        with rng.seeded(seed, self._rng_devices(state)):
+            if apply:
+                opt_state, precision, metrics = self._update(
+                    state.module,
+                    state.params,
+                    state.buffers,
+                    state.opt_state,
+                    state.precision,
+                    state.grad_accum,
+                    state.step,
+                    batch,
+                    frozen,
+                    extra,
+                )
+            else:
+                grad_accum, metrics = self._accumulate(
+                    state.module,
+                    state.params,
+                    state.buffers,
+                    state.precision,
+                    state.grad_accum,
+                    batch,
+                    frozen,
+                    extra,
+                )
+        if apply:
+            new = state.replace(
+                opt_state=opt_state,
+                precision=precision,
+                grad_accum=None,
+                step=state.step + 1,
+                micro_step=0,
+                batch_idx=state.batch_idx + 1,
+                _ownership=type(state._ownership)(),
+            )
+        else:
+            new = state.replace(
+                grad_accum=grad_accum,
+                micro_step=micro + 1,
+                batch_idx=state.batch_idx + 1,
+                _ownership=type(state._ownership)(),
+            )
+        return new, metrics
+
+
+def train_step(
+    loss_fn: LossFn,
+    tx: GradientTransformation,
+    *,
+    accumulate: int = 1,
+    donate: bool = True,
+    compile: bool | Mapping[str, Any] = False,
+    clip: GradientTransformation | None = None,
+    grad_norm: bool = False,
+) -> TrainStep:
+    """Build a pure training step ``(state, batch) -> (state, metrics)``.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch) -> loss`` or ``-> (loss, metrics)``. ``model`` is a
+            stateless view of the state's module (call it like the module) or, for a
+            pure-function model, the dict of the state's tensors.
+        tx: the optimizer (the same one the state was created with).
+        accumulate: micro-batches per optimizer step. Gradients of ``loss / accumulate`` are
+            summed in ``state.grad_accum``; the optimizer steps on every ``accumulate``-th call,
+            so k equal micro-batches equal one k-times-larger batch.
+        donate: consume the input state and update its tensors in place (fast, lean). With
+            ``False`` the input state is left bitwise unchanged and the step works on a copy.
+        compile: ``True`` (or a dict of ``torch.compile`` options) compiles forward, backward
+            and optimizer update into one graph.
+        clip: a *stateless* transformation applied to the (accumulated) gradients before the
+            optimizer, such as ``optim.clip_by_global_norm(1.0)``; the Trainer's
+            ``gradient_clip_val`` goes here, so the optimizer state keeps its shape.
+        grad_norm: report the total 2-norm of the gradients (before clipping) as the metric
+            ``"grad_norm"`` on the calls that step the optimizer.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> import engine as eg
+        >>> from engine import optim
+        >>> model = torch.nn.Linear(4, 2)
+        >>> tx = optim.sgd(0.1)
+        >>> state = eg.TrainState.create(model, tx, seed=0)
+        >>> step = eg.train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]), tx)
+        >>> batch = (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+        >>> state, metrics = step(state, batch)
+        >>> state.step, sorted(metrics)
+        (1, ['loss'])
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(
+            f"tx must be an engine.optim.GradientTransformation (got {type(tx).__name__})"
+        )
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be a positive int (got {accumulate!r})")
+    if clip is not None and (
+        not isinstance(clip, GradientTransformation) or clip.init({}) not in ((), None)
+    ):
+        raise TypeError(
+            f"clip must be a stateless GradientTransformation such as "
+            f"optim.clip_by_global_norm(1.0) (got {clip!r}); put stateful transforms in tx"
+        )
+    return TrainStep(
+        loss_fn,
+        tx,
+        accumulate=accumulate,
+        donate=donate,
+        compile=compile,
+        clip=clip,
+        grad_norm=grad_norm,
+    )
