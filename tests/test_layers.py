@@ -164,3 +164,62 @@ def test_no_module_reads_a_name_from_the_package_face():
     from engine import _version
 
     assert engine.__version__ == _version.__version__
+
+
+def test_no_module_is_longer_than_800_lines():
+    """A file holds one idea: past 800 lines it holds several, and becomes a package."""
+    long = {
+        str(p.relative_to(ENGINE.parent)): n
+        for p in ENGINE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 800
+    }
+    assert not long, long
+
+
+# where torch.distributed may be imported outside engine/parallel/, and why (the list in
+# docs/architecture.md, "Where torch.distributed lives")
+DISTRIBUTED_ELSEWHERE = {
+    # a state tells whether it holds DTensors, only once torch's sharding has been imported
+    "engine/state.py",
+    # the metrics' reduction over a process group, for custom loops (distributed_sync)
+    "engine/metrics.py",
+    # the progress bar's writes name the rank that prints
+    "engine/listeners/progress.py",
+}
+
+
+def test_torch_distributed_is_imported_only_by_the_strategies():
+    """A strategy owns its kind: ``torch.distributed`` (DTensor, DCP) is imported under
+    ``engine/parallel/`` and in the few places listed, so a fourth strategy touches only
+    ``parallel/``."""
+    found = set()
+    for path in ENGINE.rglob("*.py"):
+        rel = str(path.relative_to(ENGINE.parent))
+        if rel.startswith("engine/parallel/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                found.add(rel)
+    assert found <= DISTRIBUTED_ELSEWHERE, sorted(found - DISTRIBUTED_ELSEWHERE)
+
+
+def test_the_tree_drawn_in_the_architecture_page_is_the_tree():
+    """docs/architecture.md draws ``engine/``'s top level, a layer or a wing per entry: every
+    entry there is in the drawing, and every entry drawn exists."""
+    page = (ENGINE.parent / "docs" / "architecture.md").read_text()
+    drawing = page.split("## The tree", 1)[1].split("```", 2)[1]
+    drawn = {
+        word.rstrip("/")
+        for line in drawing.splitlines()
+        if line.startswith("  ") and not line.startswith("   ")  # an entry (not a description)
+        for word in line.strip().split("  ", 1)[0].split()
+    }
+    here = {p.name for p in ENGINE.iterdir() if p.name not in ("__pycache__", "py.typed")}
+    assert here == drawn, (sorted(here - drawn), sorted(drawn - here))

@@ -21,6 +21,11 @@ The package, bottom up (each module imports only those above it in this list):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
 from engine.data._batch_keys import randomness_outside_the_state, seed_batches
 from engine.data._position import position_loader, restore_loader
 from engine.data._seeding import (
@@ -31,9 +36,6 @@ from engine.data._seeding import (
     seed_shuffle,
 )
 from engine.data._sharding import shard_loader, shard_start
-from engine.data._sources import (
-    batch_size as batch_size,  # not in __all__: the loops' batch size, as Lightning counts it
-)
 from engine.data._sources import (
     count_batches,
     datamodule_loaders,
@@ -84,3 +86,19 @@ __all__ = [
     "stateful",
     "teardown_datamodule",
 ]
+
+
+# not in __all__ (the loops' batch size, as Lightning counts it); defined here, so the API page
+# keeps documenting it
+def batch_size(batch: Any) -> int:
+    """The size of a batch: the first dimension of its first tensor (Lightning's rule), else 1."""
+    stack: list[Any] = [batch]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor):
+            return int(x.shape[0]) if x.ndim else 1
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, Sequence) and not isinstance(x, str):
+            stack.extend(x)
+    return 1

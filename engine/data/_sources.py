@@ -9,7 +9,7 @@ factory); a *datamodule* is any object with ``train_dataloader()`` / ``val_datal
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -223,17 +223,3 @@ def state_to_json(obj: Any) -> Any:
 def state_from_json(doc: Any) -> Any:
     """The inverse of :func:`state_to_json`."""
     return _tree.from_json(doc)
-
-
-def batch_size(batch: Any) -> int:
-    """The size of a batch: the first dimension of its first tensor (Lightning's rule), else 1."""
-    stack: list[Any] = [batch]
-    while stack:
-        x = stack.pop(0)
-        if isinstance(x, torch.Tensor):
-            return int(x.shape[0]) if x.ndim else 1
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, Sequence) and not isinstance(x, str):
-            stack.extend(x)
-    return 1
