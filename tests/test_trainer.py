@@ -958,3 +958,27 @@ def test_profiler_pytorch_writes_a_chrome_trace_into_the_log_dir(tmp_path, capsy
     trace = json.loads((tmp_path / "fit-trace.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
     assert any("addmm" in n or "linear" in n for n in names)
+
+
+@pytest.mark.parametrize("flags", [{"barebones": True}, {**QUIET, "enable_checkpointing": False}])
+def test_a_trainer_and_its_last_run_are_freed_without_a_garbage_collection(tmp_path, flags):
+    """The Trainer keeps its last Run, which must not keep the Trainer: a cycle would keep the
+    run's loaders (and a DataLoader's worker processes, joined when it is collected) alive
+    until a garbage collection, long after the Trainer is gone."""
+    import gc
+    import weakref
+
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+    data = TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+    gc.collect()
+    gc.disable()
+    try:
+        loader = DataLoader(data, batch_size=4)
+        trainer = eg.Trainer(max_epochs=1, default_root_dir=tmp_path, **flags)
+        state = trainer.fit(task, task.init(nn.Linear(3, 1)), loader)
+        trainer.validate(task, state, loader, verbose=False)
+        refs = weakref.ref(trainer), weakref.ref(loader)
+        del trainer, loader
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from types import MappingProxyType
@@ -57,9 +58,11 @@ class Run:
         self.config, self.assembly = config, assembly
         self.strategy = assembly.strategy
         self.loggers, self.callbacks = list(loggers), list(callbacks)
-        #: the Trainer, handed only to a LightningDataModule as its ``trainer`` (Lightning's
-        #: protocol: its code reads the flags there); nothing of the driver reads it
-        self.facade = facade
+        # the Trainer, handed only to a LightningDataModule as its ``trainer`` (Lightning's
+        # protocol: its code reads the flags there); nothing of the driver reads it. Held weakly:
+        # the Trainer holds its last Run, and a cycle would keep the run's loaders (and their
+        # worker processes) alive until a garbage collection, long after the Trainer is gone
+        self._facade = None if facade is None else weakref.ref(facade)
         self.stage = stage
         self.sanity_checking = False
         #: SIGTERM / SIGINT received during the call (a fit stops on them)
@@ -95,6 +98,15 @@ class Run:
         self._view: RunView | None = None  # the latest view of the run
         self._view_state: TrainState | None = None  # ... the state it was built for
         self._view_version = -1  # ... and the version
+
+    @property
+    def facade(self) -> Any:
+        """The Trainer this run is a call of (``None`` once it is gone)."""
+        return None if self._facade is None else self._facade()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a launcher pickles the Trainer, and with it its last Run: not the weak reference
+        return {**self.__dict__, "_facade": None}
 
     # ------------------------------------------------------------------ the run's start
 
