@@ -49,3 +49,25 @@ def test_the_checkpoint_package_imports_no_strategy_and_no_torch_distributed():
                 assert not name.startswith("torch.distributed"), (path.name, name)
                 assert not name.startswith(above), (path.name, name)
                 assert name not in ("engine.trainer", "engine._resume"), (path.name, name)
+
+
+def test_importing_engine_does_not_import_torchs_sharding():
+    """The sharded layout is registered when ``engine.parallel`` is imported, but DTensor and
+    DCP (~0.4 s to import) are imported only when a sharded checkpoint is first used: a run
+    that never shards does not pay for them, and ``TrainState.sharded`` stays one lookup in
+    ``sys.modules`` there. A cold interpreter: the test session's has them imported."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, engine\n"
+        "from engine.checkpoint import _layouts\n"
+        "print(sorted(_layouts._LAYOUTS))\n"
+        "print([m for m in ('torch.distributed.tensor', 'torch.distributed.checkpoint')"
+        " if m in sys.modules])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["['sharded']", "[]"]

@@ -21,10 +21,19 @@ from torch import Tensor
 
 from engine.checkpoint import _layouts, _report
 from engine.checkpoint._meta import SHARDED, SHARDS
-from engine.parallel import _dcp, _dcp_index
+from engine.parallel import _dcp_index
 from engine.state import TrainState
 
 __all__: list[str] = []
+
+
+def _io() -> Any:
+    """engine/parallel/_dcp.py, imported when a sharded checkpoint is first used: it imports
+    torch's DTensor and DCP (~0.4 s), which a process that never shards does not pay for (and
+    where ``TrainState.sharded`` stays one lookup in ``sys.modules``)."""
+    from engine.parallel import _dcp
+
+    return _dcp
 
 
 class DCPLayout:
@@ -32,24 +41,24 @@ class DCPLayout:
     the function of engine/parallel/_dcp.py of its name (``inspected``: its own)."""
 
     def save(self, state: TrainState, target: Path, **kwargs: Any) -> Path:
-        return _dcp.save(state, target, **kwargs)
+        return _io().save(state, target, **kwargs)
 
     def save_async(self, state: TrainState, target: Path, **kwargs: Any) -> Future[Path]:
-        return _dcp.save_async(state, target, **kwargs)
+        return _io().save_async(state, target, **kwargs)
 
     def verify(self, root: Path, meta: Mapping[str, Any]) -> Any:
-        return _dcp.verify(root, meta)
+        return _io().verify(root, meta)
 
     def read(self, root: Path, meta: Mapping[str, Any], template: TrainState) -> dict[str, Tensor]:
-        return _dcp.read(root, meta, template)
+        return _io().read(root, meta, template)
 
     def read_weights(
         self, root: Path, meta: Mapping[str, Any], devices: Mapping[str, Any]
     ) -> dict[str, Tensor]:
-        return _dcp.read_weights(root, meta, devices)
+        return _io().read_weights(root, meta, devices)
 
     def placed_like(self, template: TrainState, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return _dcp.placed_like(template, tensors)
+        return _io().placed_like(template, tensors)
 
     def inspected(self, root: Path, meta: Mapping[str, Any]) -> dict[str, Any]:
         """The file-level part of ``checkpoint.inspect``'s summary: with the shards' sizes, the
