@@ -540,3 +540,35 @@ def test_two_processes_fitting_at_once_get_their_own_versions(tmp_path):
         assert steps == [1, 2, 3, 4, 5], steps
         assert all(version in line["checkpoint"] for line in lines if "checkpoint" in line)
     assert sorted(owners) == ['me: "a"', 'me: "b"']
+
+
+def test_a_torchrun_restart_claims_its_first_attempts_version(tmp_path, monkeypatch):
+    """Under torchrun, a ``version=None`` directory records the run's TORCHELASTIC_RUN_ID; an
+    attempt after a restart (TORCHELASTIC_RESTART_COUNT > 0) of the same run continues in it,
+    so the default ModelCheckpoint directory under it holds the checkpoint to resume from.
+    Another run, a first attempt, or no torchrun: the next free version, as before."""
+    import engine.loggers.base as base
+
+    def claim(run_id: str | None, restart: int | None) -> int:
+        monkeypatch.setattr(base, "_CLAIMED", set())  # a new process: nothing claimed yet
+        for var, value in (
+            ("TORCHELASTIC_RUN_ID", run_id),
+            ("TORCHELASTIC_RESTART_COUNT", restart),
+        ):
+            if value is None:
+                monkeypatch.delenv(var, raising=False)
+            else:
+                monkeypatch.setenv(var, str(value))
+        lg = CSVLogger(tmp_path)
+        lg.claim()
+        return lg.version
+
+    assert claim("job-a", 0) == 0
+    assert (tmp_path / "lightning_logs/version_0" / base.ELASTIC_RUN_FILE).read_text() == "job-a"
+    assert claim("job-a", 1) == 0  # the restart: the first attempt's directory
+    assert claim("job-a", 2) == 0
+    assert claim("job-b", 1) == 1  # another run's restart with nothing of its own: a new one
+    assert claim("job-a", 0) == 2  # a new run that reuses the id starts a new directory
+    assert claim("job-a", 1) == 2  # and its restarts continue there, the newest
+    assert claim(None, None) == 3  # outside torchrun: today's behaviour
+    assert not (tmp_path / "lightning_logs/version_3" / base.ELASTIC_RUN_FILE).exists()

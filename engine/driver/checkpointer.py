@@ -305,10 +305,17 @@ class Checkpointer:
             )
         if chosen is None:
             searched = ", ".join(str(r) for r in dict.fromkeys(roots))
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            again = (
+                f"THIS IS RESTART {restart} OF TORCHRUN'S RUN "
+                f"{os.environ.get('TORCHELASTIC_RUN_ID')!r} AND IT STARTS FROM STEP 0: "
+                if restart.isdigit() and int(restart) > 0
+                else ""
+            )
             warnings.warn(
-                f'ckpt_path="last": no valid checkpoint found in {searched} (the directories '
-                "of the ModelCheckpoint listeners and <default_root_dir>/checkpoints); training "
-                "starts from the given state",
+                f'{again}ckpt_path="last": no valid checkpoint found in {searched} (the '
+                "directories of the ModelCheckpoint listeners and <default_root_dir>/"
+                "checkpoints); training starts from the given state",
                 stacklevel=3,
             )
         return chosen

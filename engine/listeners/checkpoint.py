@@ -264,13 +264,6 @@ class ModelCheckpoint(Listener):
             return
         if rec.stage == "fit":  # what a crashed save left (a replaced checkpoint is put back)
             checkpoint.clean_leftovers(self.dirpath)
-        if rec.stage == "fit" and self.save_top_k != 0 and _non_empty_dir(self.dirpath):
-            warnings.warn(
-                f"ModelCheckpoint: the checkpoint directory {self.dirpath} exists and is not "
-                "empty; checkpoints of another run may be overwritten or outrank this run's",
-                UserWarning,
-                stacklevel=2,
-            )
 
     def on_fit_start(self, rec: EventRecord) -> None:
         """Claim ``dirpath`` for this run (see :func:`checkpoint._RunLock`): a second live run
@@ -279,6 +272,20 @@ class ModelCheckpoint(Listener):
         self._defer_until_validation = False
         self._pending_saves, self._pending_removals = [], []  # left by a failed fit
         self._unsettled = {}
+        if (
+            rec.stage == "fit"
+            and rec.run.is_global_zero
+            and self.dirpath is not None
+            and self.save_top_k != 0
+            and _non_empty_dir(self.dirpath)
+            and not _confine.directly_in(rec.run.ckpt_path, os.fspath(self.dirpath))  # resumed
+        ):
+            warnings.warn(
+                f"ModelCheckpoint: the checkpoint directory {self.dirpath} exists and is not "
+                "empty; checkpoints of another run may be overwritten or outrank this run's",
+                UserWarning,
+                stacklevel=2,
+            )
         if (
             self.dirpath is not None
             and rec.run.is_global_zero  # the rank that writes claims the directory

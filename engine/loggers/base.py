@@ -256,7 +256,13 @@ def claim_version(root: str | os.PathLike[str], version: int = 0) -> int:
     except OSError as e:
         raise explain(e, root, "create the run directories in") from e
     n = version
+    elastic = _elastic_run()
     with _CLAIM_LOCK:
+        if elastic is not None and elastic[1] > 0:  # a torchrun restart: its first attempt's
+            earlier = _attempts_version(root, elastic[0])
+            if earlier is not None:
+                _CLAIMED.add(os.path.join(root, f"version_{earlier}"))
+                return earlier
         while True:
             path = os.path.join(root, f"version_{n}")
             if path in _CLAIMED:
@@ -269,7 +275,43 @@ def claim_version(root: str | os.PathLike[str], version: int = 0) -> int:
             except OSError as e:
                 raise explain(e, path, "create the run directory") from e
             _CLAIMED.add(path)
+            if elastic is not None:  # whose it is, for the attempts after a restart
+                try:
+                    with open(os.path.join(path, ELASTIC_RUN_FILE), "x") as f:
+                        f.write(elastic[0])
+                except OSError as e:
+                    raise explain(e, path, "write the run directory's torchrun run id in") from e
             return n
+
+
+#: in a ``version_N`` claimed under torchrun: its ``TORCHELASTIC_RUN_ID``, so that the attempts
+#: after a restart (``TORCHELASTIC_RESTART_COUNT > 0``) continue in the first one's directory
+ELASTIC_RUN_FILE = ".torchelastic_run_id"
+
+
+def _elastic_run() -> tuple[str, int] | None:
+    """``(TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT)`` under torchrun, else ``None``."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    try:
+        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
+    except ValueError:
+        return None
+    return (run_id, count) if run_id else None
+
+
+def _attempts_version(root: str, run_id: str) -> int | None:
+    """The largest ``N`` of the ``version_N`` in ``root`` that torchrun's run ``run_id``
+    claimed (its :data:`ELASTIC_RUN_FILE` says so), or ``None``."""
+    found = []
+    with contextlib.suppress(OSError):
+        for e in os.scandir(root):
+            m = _VERSION_DIR.fullmatch(e.name)
+            if m is None or not e.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError), open(os.path.join(e.path, ELASTIC_RUN_FILE)) as f:
+                if f.read(4096) == run_id:
+                    found.append(int(m.group(1)))
+    return max(found) if found else None
 
 
 def _to_float(name: str, value: Any) -> float | int:

@@ -277,21 +277,22 @@ class DDP(Strategy):
             )
         else:
             kwargs["init_method"] = "env://"
-        start = time.monotonic()
+        start, where = time.monotonic(), kwargs["init_method"]
         try:
+            if _restart_attempt() is not None:
+                kwargs, where = _attempt_store(kwargs, self.timeout)
             dist.init_process_group(self._backend(), **kwargs)
         except dist.DistError as e:  # the rendezvous's store: refused, or timed out
-            raise self._rendezvous_failed(kwargs, time.monotonic() - start, e) from e
+            raise self._rendezvous_failed(where, time.monotonic() - start, e) from e
         atexit.register(_destroy)
         self._joined = True
         _watchdog.start(self.timeout)
 
     def _rendezvous_failed(
-        self, kwargs: dict[str, Any], waited: float, cause: BaseException
+        self, where: str, waited: float, cause: BaseException
     ) -> CollectiveError:
         """The error of a rendezvous that did not complete within the timeout: who waited
         for whom, where."""
-        where = kwargs["init_method"]
         if where == "env://":
             where = f"tcp://{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         rank, world = self.global_rank, self.world_size
@@ -560,6 +561,40 @@ def _broadcast_buffers(module: nn.Module | None, buffers: dict[str, Tensor]) -> 
             if receive:
                 for t, v in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                     t.copy_(v)
+
+
+def _restart_attempt() -> str | None:
+    """This worker's attempt under torchrun when its agent shares the rendezvous's TCP store
+    with the workers (torch's default since 2.4: ``TORCHELASTIC_USE_AGENT_STORE``), else
+    ``None``. The shared store outlives a restart, so a restarted attempt must not read the
+    keys the previous one wrote there."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _attempt_store(
+    kwargs: dict[str, Any], timeout: datetime.timedelta
+) -> tuple[dict[str, Any], str]:
+    """``init_process_group``'s arguments with a store of this attempt's own: a client of the
+    agent's store under the prefix ``engine/attempt_<TORCHELASTIC_RESTART_COUNT>/``. torch
+    joins every attempt's workers through the same keys of the shared store, so a restarted
+    rank can read the previous attempt's gloo addresses or NCCL id and connect to a dead peer
+    (pytorch/pytorch#135712: ``Gloo connectFullMesh failed ... Connection refused``, or a hang
+    until the timeout); every worker of an attempt has the same restart count (the agent
+    restarts the whole group), so the prefix keeps the attempts apart."""
+    kwargs = dict(kwargs)
+    where = kwargs.pop("init_method")
+    if where == "env://":
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        kwargs.update(world_size=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]))
+    else:
+        host, _, port_text = where[len("tcp://") :].rpartition(":")
+        host, port = host.strip("[]"), int(port_text)
+    store = dist.TCPStore(host, port, kwargs["world_size"], is_master=False, timeout=timeout)
+    attempt = _restart_attempt()
+    where = f"tcp://{_host(host)}:{port} (torchrun's shared store, attempt {attempt})"
+    return {**kwargs, "store": dist.PrefixStore(f"engine/attempt_{attempt}/", store)}, where
 
 
 def _host(address: str) -> str:

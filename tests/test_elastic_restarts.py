@@ -1,0 +1,138 @@
+"""torchrun restarts (issue 27, item 1): a rank killed (SIGKILL) or preempted (SIGTERM) in the
+first attempt, ``torchrun --max-restarts=1`` starts the group again, and the restarted workers
+join and finish where the uninterrupted run finishes, bitwise.
+
+Real torchrun on purpose: its agent shares the rendezvous's TCP store with the workers (torch's
+default since 2.4), and a restarted attempt joined through the keys the previous one left there
+(pytorch/pytorch#135712): ``Gloo connectFullMesh failed ... Connection refused`` or a hang in 2
+of 3 plain runs before DDP's setup gave each attempt a store prefix of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import _procs
+import pytest
+import torch
+from test_ddp_trainer import _env, _ok
+
+pytestmark = pytest.mark.budget(
+    share=0.10,
+    why="a restart is torchrun's agent restarting its workers: real torchrun, four attempts' "
+    "worth of cold ranks (the point: the agent's shared store outlives an attempt)",
+)
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch, torch.nn.functional as F
+    import engine as eg
+    from engine import optim
+    from engine.listeners import ModelCheckpoint
+
+    root, strategy, sig, logged = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "logged"
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank = int(os.environ["RANK"])
+
+    at = int(os.environ.get("KILL_AT_STEP", "7"))
+
+    class Killer(eg.Listener):  # rank 1 dies at step 7 of the first attempt
+        def on_train_batch_end(self, rec):
+            if sig != "none" and attempt == 0 and rank == 1 and rec.state.step == at:
+                os.kill(os.getpid(), getattr(signal, sig))
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(12)]
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+    trainer = eg.Trainer(
+        strategy=strategy, devices=2, accelerator="cpu", max_epochs=2,
+        logger=None if logged else False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root,
+        callbacks=[Killer(), ModelCheckpoint(every_n_train_steps=2, save_last=True)],
+    )
+    state = trainer.fit(task, task.init(torch.nn.Linear(4, 1)), data, ckpt_path="last")
+    full = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in state.params.items()
+    }
+    if trainer.is_global_zero:
+        print("DONE", attempt, state.step, os.path.basename(trainer.ckpt_path or "-"), flush=True)
+        torch.save(full, os.path.join(root, "final.pt"))
+    """
+)
+
+
+def _restarted(
+    tmp: Path, strategy: str, sig: str, logged: bool = False
+) -> tuple[list[str], dict, str]:
+    script = tmp / "train.py"
+    script.write_text(SCRIPT)
+    root = tmp / f"{strategy}-{sig}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--monitor-interval=0.5",
+        str(script),
+        str(root),
+        strategy,
+        sig,
+        "logged" if logged else "-",
+    ]
+    proc = _procs.run(cmd, env=_env(), capture_output=True, text=True, timeout=150)
+    _ok(proc)
+    done = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("DONE")]
+    final = torch.load(root / "final.pt", weights_only=True)
+    return done[0] if done else [], final, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy, sig, resumed_from",
+    [
+        ("ddp", "SIGKILL", "last"),  # the last checkpoint, step 6
+        ("ddp", "SIGTERM", "interrupted-step=7"),  # the signal's own checkpoint
+        ("fsdp", "SIGKILL", "last"),
+        ("fsdp", "SIGTERM", "interrupted-step=7"),
+    ],
+)
+def test_a_restarted_attempt_joins_resumes_and_ends_bitwise(
+    tmp_path_factory, tmp_path, strategy, sig, resumed_from
+):
+    reference = tmp_path_factory.getbasetemp() / f"uninterrupted-{strategy}"
+    if not (reference / f"{strategy}-none" / "final.pt").is_file():
+        reference.mkdir(exist_ok=True)
+        assert _restarted(reference, strategy, "none")[0] == ["0", "24", "-"]  # the run unkilled
+    expected = torch.load(reference / f"{strategy}-none" / "final.pt", weights_only=True)
+    done, final, _ = _restarted(tmp_path, strategy, sig)
+    # the second attempt finished, from the checkpoint the first one left, not from step 0
+    assert done == ["1", "24", resumed_from]
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+@pytest.mark.slow
+def test_a_restart_with_the_default_logger_continues_in_the_first_attempts_directory(
+    tmp_path_factory, tmp_path
+):
+    """With the defaults (a TensorBoard logger with version=None, ModelCheckpoint's directory
+    under its version_N), the attempt after a restart claims the first attempt's version_N,
+    finds its checkpoint there and resumes; a new version_N would have started from step 0."""
+    reference = tmp_path_factory.getbasetemp() / "uninterrupted-ddp"
+    if not (reference / "ddp-none" / "final.pt").is_file():
+        reference.mkdir(exist_ok=True)
+        assert _restarted(reference, "ddp", "none")[0] == ["0", "24", "-"]
+    expected = torch.load(reference / "ddp-none" / "final.pt", weights_only=True)
+    done, final, stderr = _restarted(tmp_path, "ddp", "SIGKILL", logged=True)
+    assert done == ["1", "24", "last"]
+    versions = sorted(p.name for p in (tmp_path / "ddp-SIGKILL" / "lightning_logs").iterdir())
+    assert versions == ["version_0"]
+    assert "exists and is not empty" not in stderr  # a resume into its own directory
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
