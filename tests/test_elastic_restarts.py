@@ -20,7 +20,7 @@ import torch
 from test_ddp_trainer import _env, _ok
 
 pytestmark = pytest.mark.budget(
-    share=0.10,
+    share=0.12,
     why="a restart is torchrun's agent restarting its workers: real torchrun, four attempts' "
     "worth of cold ranks (the point: the agent's shared store outlives an attempt)",
 )
