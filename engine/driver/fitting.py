@@ -162,16 +162,14 @@ def _fit(
     run.announce(Event.ON_FIT_START)
 
     eval_services = None if evaluate is None else EvalServices(run, evaluate)
-    run.val_loaded_at = None
+    run.val_loaders_fetched(None)
     sanity = [min(config.num_sanity_val_steps, n) for n in num_val_batches]
     if eval_services is not None and enable_validation and sum(sanity) > 0:
-        run.sanity_checking = True  # the listeners' view says so, around the events too
+        run.sanity_check_starts()  # the listeners' view says so, around the events too
         state, progress = eval_loops.sanity_check(
             eval_services, run.state, run.progress, val_loaders, sanity
         )
-        run.sanity_checking = False
-        run.hand_over(state, progress)
-        run.val_loaded_at = run.current_epoch
+        run.sanity_check_ended(state, progress)
 
     progress = run.progress
     if progress.reducer is None:  # else restored by a resume

@@ -42,11 +42,11 @@ def resolve(run: Run, ckpt_path: str | os.PathLike[str]) -> Path | None:
 def datamodule_first(run: Run, ckpt_path: Any, datamodule: Any) -> None:
     """Lightning restores a datamodule's state before asking it for loaders: resolve the
     checkpoint now (once; the run's restore uses it) and give the datamodule its state."""
-    run.resolved = None
+    run.resolved_early(None)
     if ckpt_path is None or datamodule is None:
         return
     path = resolve(run, ckpt_path)
-    run.resolved = (ckpt_path, path)
+    run.resolved_early((ckpt_path, path))
     if path is not None:
         _restore_datamodule(path, datamodule)
 
@@ -64,7 +64,7 @@ def restore(run: Run, ckpt_path: str | os.PathLike[str], template: TrainState) -
     """Continue ``run`` from the checkpoint ``ckpt_path`` names: its state, its listeners'
     states and, for a fit, the loop's position and the metrics."""
     saver = run.checkpointer
-    early, run.resolved = run.resolved, None
+    early = run.resolved_early(None)
     path = early[1] if early is not None and early[0] is ckpt_path else resolve(run, ckpt_path)
     if path is None:
         return

@@ -89,7 +89,7 @@ class Run:
         )
         self.log_step: int | None = None  # the step an evaluation's rows are logged at
         self.val_loaded_at: int | None = None  # the epoch the val loaders were last fetched
-        self.resolved: tuple[Any, Any] | None = None  # ckpt_path resolved early
+        self._resolved: tuple[Any, Any] | None = None  # ckpt_path resolved early
         self._sharded: list[Any] = []  # loaders this run sharded, put back when it ends
         # bumped whenever the metrics or should_stop change: the listeners' view is rebuilt then
         self._version = 0
@@ -152,6 +152,28 @@ class Run:
             resume_data_state=None,
             reducer=None,
         )
+
+    def resolved_early(self, resolved: tuple[Any, Any] | None) -> tuple[Any, Any] | None:
+        """Keep ``(ckpt_path, path)``, a checkpoint resolved before the run's context (for a
+        datamodule's state, Lightning's order), for the restore to use; returns what was kept
+        before."""
+        before, self._resolved = self._resolved, resolved
+        return before
+
+    def sanity_check_starts(self) -> None:
+        """The fit's sanity check runs: the listeners' view says so, around its events too."""
+        self.sanity_checking = True
+
+    def sanity_check_ended(self, state: TrainState, progress: Progress) -> None:
+        """The sanity check's state and progress; its loaders count as fetched now."""
+        self.sanity_checking = False
+        self.hand_over(state, progress)
+        self.val_loaders_fetched(self.current_epoch)
+
+    def val_loaders_fetched(self, epoch: int | None) -> None:
+        """The epoch the validation loaders were last fetched (``None``: not yet), which
+        ``reload_dataloaders_every_n_epochs`` counts from."""
+        self.val_loaded_at = epoch
 
     def resumed(
         self,
