@@ -10,6 +10,7 @@ of 3 plain runs before DDP's setup gave each attempt a store prefix of its own.
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -18,6 +19,9 @@ import _procs
 import pytest
 import torch
 from test_ddp_trainer import _env, _ok
+from test_loggers import _scalars
+
+import engine as eg
 
 pytestmark = pytest.mark.budget(
     share=0.12,
@@ -32,8 +36,9 @@ SCRIPT = textwrap.dedent(
     import engine as eg
     from engine import optim
     from engine.listeners import ModelCheckpoint
+    from engine.loggers import CSVLogger, TensorBoardLogger
 
-    root, strategy, sig, logged = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "logged"
+    root, strategy, sig, logs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     rank = int(os.environ["RANK"])
 
@@ -50,7 +55,10 @@ SCRIPT = textwrap.dedent(
     task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
     trainer = eg.Trainer(
         strategy=strategy, devices=2, accelerator="cpu", max_epochs=2,
-        logger=None if logged else False, enable_progress_bar=False,
+        # "csv": a CSV and a TensorBoard logger with version=None (a version_N shared, the
+        # ModelCheckpoint directory under it, as with the default logger); "default": None
+        logger=[CSVLogger(root), TensorBoardLogger(root)] if logs == "csv" else None,
+        log_every_n_steps=1, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=root,
         callbacks=[Killer(), ModelCheckpoint(every_n_train_steps=2, save_last=True)],
     )
@@ -67,7 +75,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _restarted(
-    tmp: Path, strategy: str, sig: str, logged: bool = False
+    tmp: Path, strategy: str, sig: str, logs: str = "csv"
 ) -> tuple[list[str], dict, str]:
     script = tmp / "train.py"
     script.write_text(SCRIPT)
@@ -84,7 +92,7 @@ def _restarted(
         str(root),
         strategy,
         sig,
-        "logged" if logged else "-",
+        logs,
     ]
     proc = _procs.run(cmd, env=_env(), capture_output=True, text=True, timeout=150)
     _ok(proc)
@@ -117,6 +125,40 @@ def test_a_restarted_attempt_joins_resumes_and_ends_bitwise(
     assert final.keys() == expected.keys()
     assert all(torch.equal(final[k], expected[k]) for k in expected)
 
+    # where it resumed, by the journal: a second start line at the checkpoint's step, naming
+    # it, and the next step the one after it (item 4: the resume point, not only the end)
+    run_dir = tmp_path / f"{strategy}-{sig}" / "lightning_logs" / "version_0"
+    lines = [json.loads(x) for x in (run_dir / "journal.jsonl").read_text().splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.get("start")]
+    assert len(starts) == 2, lines
+    at = 6 if resumed_from == "last" else 7  # ModelCheckpoint every 2 steps; the signal's
+    second = lines[starts[1]]
+    assert second["step"] == at and Path(second["checkpoint"]).name == resumed_from
+    after = [line["step"] for line in lines[starts[1] + 1 :] if "loss" in line]
+    assert after[0] == at + 1 and after == sorted(set(after)) and after[-1] == 24
+    # every step's loss once in the merged journal, each equal to the uninterrupted run's
+    ref_dir = reference / f"{strategy}-none" / "lightning_logs" / "version_0"
+    assert _losses(run_dir) == _losses(ref_dir)
+
+    # the logs: the CSV byte for byte and the TensorBoard scalars as the uninterrupted run's
+    assert (run_dir / "metrics.csv").read_text() == (ref_dir / "metrics.csv").read_text()
+    assert _scalars(str(run_dir)) == _scalars(str(ref_dir))
+
+    if sig == "SIGKILL":  # engine replay over both attempts: every step, bitwise
+        report = eg.replay(run_dir, trust_code=True)
+        assert report.identical and report.steps == 24, str(report)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss from a journal, refusing a step journaled twice with different losses."""
+    out: dict[int, float] = {}
+    for text in (run_dir / "journal.jsonl").read_text().splitlines():
+        line = json.loads(text)
+        steps = range(line["step"] - len(line.get("losses", [])) + 1, line["step"] + 1)
+        for step, loss in zip(steps, line.get("losses", []), strict=True):
+            assert out.setdefault(step, loss) == loss, (step, loss, out[step])
+    return out
+
 
 @pytest.mark.slow
 def test_a_restart_with_the_default_logger_continues_in_the_first_attempts_directory(
@@ -130,7 +172,7 @@ def test_a_restart_with_the_default_logger_continues_in_the_first_attempts_direc
         reference.mkdir(exist_ok=True)
         assert _restarted(reference, "ddp", "none")[0] == ["0", "24", "-"]
     expected = torch.load(reference / "ddp-none" / "final.pt", weights_only=True)
-    done, final, stderr = _restarted(tmp_path, "ddp", "SIGKILL", logged=True)
+    done, final, stderr = _restarted(tmp_path, "ddp", "SIGKILL", logs="default")
     assert done == ["1", "24", "last"]
     versions = sorted(p.name for p in (tmp_path / "ddp-SIGKILL" / "lightning_logs").iterdir())
     assert versions == ["version_0"]

@@ -110,6 +110,26 @@ class Checkpointer:
             keyed.append((key if seen[key] == 1 else f"{key}#{seen[key]}", listener))
         return keyed
 
+    def keyed_loggers(self) -> list[tuple[str, Any]]:
+        """The loggers that keep a state, by class name, ``#n`` for the n-th of a name."""
+        keyed: list[tuple[str, Any]] = []
+        seen: dict[str, int] = {}
+        for lg in self.loggers:
+            if not callable(getattr(lg, "state_dict", None)):
+                continue
+            key = type(lg).__qualname__
+            seen[key] = seen.get(key, 0) + 1
+            keyed.append((key if seen[key] == 1 else f"{key}#{seen[key]}", lg))
+        return keyed
+
+    def _logger_states(self) -> dict[str, Any]:
+        states = {}
+        for key, lg in self.keyed_loggers():
+            state = lg.state_dict()
+            if state:
+                states[key] = state
+        return states
+
     def save(
         self,
         filepath: str | os.PathLike[str],
@@ -202,6 +222,9 @@ class Checkpointer:
         progress = run.progress
         extra = {
             "listeners": listeners,
+            # where each logger's log stands (rows and event files written): a resumed fit
+            # continues it, dropping what a run that went on past this checkpoint wrote
+            "loggers": self._logger_states() if self.writes else {},
             "trainer": {
                 **progress.to_json(),  # the loop's position: total_batch_idx, phase, ...
                 "stage": run.stage,
@@ -389,6 +412,10 @@ class Checkpointer:
         restored = Progress.from_checkpoint(saved_loop)
         if stage != "fit":  # nothing continues: only the checks above matter
             return None
+        logs = extra.get("loggers") or {}
+        for key, lg in self.keyed_loggers() if self.writes else ():  # rank 0 logs
+            if key in logs and callable(getattr(lg, "load_state_dict", None)):
+                lg.load_state_dict(logs[key])
         # the run continues: what its listeners had seen, they see
         metrics = {
             name: {k: float(v) for k, v in saved_loop[name].items()}

@@ -186,6 +186,29 @@ class Logger:
         """End the run (``status`` is ``"success"``, ``"failed"`` or ``"interrupted"``)."""
         self.save()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint records of this logger, so that a fit resumed from it continues
+        the log (see :meth:`load_state_dict`); ``{}`` (the default) for nothing.
+
+        The Trainer calls it on rank 0 while it writes a checkpoint, after every row logged
+        before that checkpoint: a logger that records something here writes what it buffers
+        first, so what the checkpoint describes is on disk."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the log a checkpoint recorded with :meth:`state_dict`: called on rank 0
+        when a fit resumes from that checkpoint, before anything is logged. The bundled
+        loggers keep what was written before the checkpoint and drop what was written after
+        it (a run killed past the checkpoint logged steps that the resumed run logs again),
+        when the log is this logger's own (the same ``log_dir``); another directory starts a
+        new log, as before. The default does nothing."""
+        return None
+
+    def _own_log(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` (from :meth:`state_dict`) describes this logger's directory."""
+        recorded = state.get("log_dir") if state else None
+        return isinstance(recorded, str) and recorded == os.path.realpath(self.log_dir)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(log_dir={self.log_dir!r})"
 

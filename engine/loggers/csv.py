@@ -32,7 +32,10 @@ class CSVLogger(Logger):
 
     The run directory is ``save_dir/name/version_N`` (see :class:`~engine.loggers.Logger`); it is
     created at the first write. As in Lightning, an existing ``metrics.csv`` in it is replaced
-    (with a warning) when this logger first writes.
+    (with a warning) when this logger first writes, except on a resume: a fit resumed from a
+    checkpoint this logger wrote into the same directory (a torchrun restart, or
+    ``ckpt_path=`` with a pinned ``version``) keeps the rows written before the checkpoint and
+    drops those after it, so each step is in the file once (:meth:`load_state_dict`).
 
     Args:
         save_dir: the directory that holds the experiments.
@@ -77,6 +80,7 @@ class CSVLogger(Logger):
         self._columns: list[str] = []  # metric columns already in the file, sorted
         self._opened = False  # whether this logger has written its metrics file yet
         self._n_rows = 0  # rows logged so far
+        self._written = 0  # rows in the file (this run's and, resumed, those kept before it)
 
     @property
     def metrics_file(self) -> str:
@@ -149,7 +153,51 @@ class CSVLogger(Logger):
                     old = list(csv.DictReader(f))
             write_atomically(path, _csv_text(header, [*old, *self._rows], with_header=True))
         self._columns = columns
+        self._written += len(self._rows)
         self._rows = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rows written so far (buffered ones are written first) and the directory, for
+        a checkpoint: a fit resumed from it keeps these rows (see :meth:`load_state_dict`)."""
+        if not self._opened and not self._rows:  # nothing logged by this run: nothing to keep
+            return {}
+        self.save()
+        return {"log_dir": os.path.realpath(self.log_dir), "rows": self._written}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue ``metrics.csv`` from a checkpoint's :meth:`state_dict`: in this logger's own
+        directory, the rows written before the checkpoint stay and those after it (logged by
+        a run that went on past it, and is logged again now) are dropped, in one atomic
+        rewrite; the header keeps the columns those rows fill. A file with fewer rows than
+        the checkpoint recorded is kept as it is, with a warning. Another directory: a new
+        file, as without a checkpoint."""
+        if not self._own_log(state):
+            return
+        self.save()  # rows an earlier fit of this logger buffered
+        keep = int(state["rows"])
+        path = self.metrics_file
+        rows: list[dict[str, str]] = []
+        with self._writing():
+            if os.path.isfile(path):
+                with open(path, newline="", encoding="utf-8") as f:
+                    rows = list(csv.DictReader(f))
+            if len(rows) < keep:
+                warnings.warn(
+                    f"CSVLogger: {path} holds {len(rows)} rows, fewer than the {keep} written "
+                    "before the checkpoint this fit resumes from (was it edited or replaced?); "
+                    "the rows logged from here on are appended to what it holds",
+                    stacklevel=2,
+                )
+            kept = rows[:keep]
+            columns = sorted({k for row in kept for k, v in row.items() if v} - {"step"})
+            if len(kept) < len(rows) or (rows and list(rows[0]) != ["step", *columns]):
+                header = ["step", *columns]
+                text = _csv_text(header, [{k: r[k] for k in header if k in r} for r in kept],
+                                 with_header=True)
+                write_atomically(path, text)
+        self._opened = True  # continued: not replaced at the first write
+        self._columns = columns
+        self._written = self._n_rows = len(kept)
 
     def finalize(self, status: str) -> None:
         """Write what is buffered; the run's status is not recorded in the CSV. After a run that

@@ -37,6 +37,11 @@ class TensorBoardLogger(Logger):
     raises an ``OSError`` naming the file and this logger, and leaves the events written
     before readable.
 
+    A fit resumed from a checkpoint this logger wrote into the same directory (a torchrun
+    restart, or ``ckpt_path=`` with a pinned ``version``) keeps the events written before the
+    checkpoint and removes those after it, so each step's scalars are there once
+    (:meth:`load_state_dict`).
+
     Args:
         save_dir: the directory that holds the experiments.
         name: the experiment's directory under ``save_dir``; ``None`` or ``""`` for none.
@@ -71,6 +76,7 @@ class TensorBoardLogger(Logger):
         self._writer_kwargs = writer_kwargs
         self._writer: Any = None
         self._writers_opened = 0
+        self._resumed = False  # continues event files an earlier process wrote (see below)
         self.hparams: dict[str, Any] = {}
 
     @property
@@ -80,12 +86,15 @@ class TensorBoardLogger(Logger):
             from engine.loggers._event_file import SyncSummaryWriter
 
             kwargs = dict(self._writer_kwargs)
+            suffix = kwargs.get("filename_suffix", "")
+            if self._resumed:  # never the name of a file the resumed run wrote in its second
+                suffix = f"{suffix}.{os.getpid()}"
             if self._writers_opened:
                 # event files are named by the second they were opened: a writer reopened after
                 # finalize() within that second would overwrite the first one's file
-                kwargs["filename_suffix"] = (
-                    f"{kwargs.get('filename_suffix', '')}.{self._writers_opened}"
-                )
+                suffix = f"{suffix}.{self._writers_opened}"
+            if suffix:
+                kwargs["filename_suffix"] = suffix
             with self._writing():
                 self._writer = SyncSummaryWriter(self._make_dir(), **kwargs)
             self._writers_opened += 1
@@ -142,6 +151,39 @@ class TensorBoardLogger(Logger):
             with self._writing():
                 self._writer.flush()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The event files in :attr:`log_dir` and their sizes once this logger's events are
+        written, for a checkpoint: a fit resumed from it cuts them back to these sizes (see
+        :meth:`load_state_dict`)."""
+        self.save()
+        files: dict[str, int] = {}
+        with self._writing():
+            for name in _event_files(self.log_dir):
+                files[name] = os.path.getsize(os.path.join(self.log_dir, name))
+        return {"log_dir": os.path.realpath(self.log_dir), "event_files": files}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the event files of a checkpoint's :meth:`state_dict`: in this logger's own
+        directory, each file recorded is cut back to its recorded size and the files written
+        after the checkpoint are removed, so the events logged after it (by a run that went
+        on past it, logged again now) are not there twice; new events go to a new file.
+        Another directory: nothing is touched."""
+        if not self._own_log(state):
+            return
+        if self._writer is not None:  # an earlier fit's, still open: its events are written
+            writer, self._writer = self._writer, None
+            with self._writing():
+                writer.close()
+        recorded: Mapping[str, int] = state.get("event_files") or {}
+        with self._writing():
+            for name in _event_files(self.log_dir):
+                path = os.path.join(self.log_dir, name)
+                if name not in recorded:  # written after the checkpoint
+                    os.remove(path)
+                elif os.path.getsize(path) > int(recorded[name]):
+                    os.truncate(path, int(recorded[name]))  # at a record's end: written whole
+        self._resumed = True
+
     def finalize(self, status: str) -> None:
         """Record the session's end status (for the HParams dashboard), flush and close.
 
@@ -162,6 +204,15 @@ class TensorBoardLogger(Logger):
                         file_writer.close()
 
         self._finish(status, close)
+
+
+def _event_files(log_dir: str) -> list[str]:
+    """The TensorBoard event files directly in ``log_dir`` (none if it does not exist)."""
+    try:
+        names = os.listdir(log_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith("events.out.tfevents."))
 
 
 def _session_end(status: str) -> Any:
