@@ -10,6 +10,12 @@ import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
+pytestmark = pytest.mark.budget(
+    share=0.08,
+    why="the examples train on real data; the preemption example runs two torchrun jobs of 2 "
+    "ranks, one restarted (about 20 s: 6 cold interpreters and a restart)",
+)
+
 
 def _load(name: str):
     sys.path.insert(0, str(EXAMPLES))
@@ -205,3 +211,19 @@ def test_char_lm_under_ddp_on_2_ranks_trains_as_one_process_on_the_global_batch(
     # because which bf16 roundings differ depends on the CPU's kernels, and grows with steps
     assert abs(two["initial_bpc"] - one["initial_bpc"]) < 1e-5, (two, one)
     assert abs(two["final_bpc"] - one["final_bpc"]) < 1e-3, (two, one)
+
+
+@pytest.mark.slow
+def test_preemption_example_restarts_once_under_torchrun_and_ends_bitwise(tmp_path, capsys):
+    """examples/preemption.py: rank 1 killed at step 27 of 60, torchrun restarts the group, the
+    restart resumes from the newest checkpoint (step 20, save_last) and ends with the
+    uninterrupted run's state (the fingerprint: every byte) and its metrics.csv."""
+    pre = _load("preemption")
+    out = pre.main(["--root", str(tmp_path)])
+    whole, cut = out["uninterrupted"], out["preempted"]
+    assert out["bitwise"] and whole["fingerprint"] == cut["fingerprint"]
+    assert whole["attempt"] == 0 and whole["starts"] == [0] and whole["step"] == 60
+    # the second attempt ran, from the last checkpoint before the kill, not from step 0
+    assert cut["attempt"] == 1 and cut["starts"] == [0, 20] and cut["step"] == 60
+    assert cut["csv"] == whole["csv"] and cut["csv"].count("\n") > 12
+    assert "bitwise equal" in capsys.readouterr().out

@@ -81,9 +81,7 @@ def reference(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("flush", [1, 100], ids=["flushed-every-step", "killed-between-flushes"])
-def test_a_killed_run_resumed_into_its_own_version_logs_each_step_once(
-    tmp_path, reference, flush
-):
+def test_a_killed_run_resumed_into_its_own_version_logs_each_step_once(tmp_path, reference, flush):
     root = tmp_path / "runs"
     killed = _fit(tmp_path, root, kill_at=13, flush=flush)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -239,4 +237,3 @@ def _rows(path: str) -> list[dict[str, str]]:
 
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
-

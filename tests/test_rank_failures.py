@@ -385,3 +385,29 @@ def test_dpsgd_composed_with_a_strategy_of_two_ranks_gives_the_same_reason():
     dp = DPSGD(max_grad_norm=1.0, noise_multiplier=1.1, sample_rate=0.1, expected_batch_size=8)
     with pytest.raises(ValueError, match=r"(?s)sqrt\(2\) times the noise .*devices=1"):
         transforms.compose(privacy=dp, strategy=Two())
+
+
+def test_a_signalled_rank_reports_a_failed_collective_without_waiting_for_answers(monkeypatch):
+    """A rank whose collective failed asks the others where they are and waits up to a grace
+    period for the answers, for its error message; once torchrun's SIGTERM has come (a peer
+    died, the group is being stopped) it does not wait for answers a dead rank never gives, so
+    the restart is not held up by diagnostics."""
+    from engine.parallel import _watchdog
+
+    class Silent:  # the store of a group whose other rank is dead: nobody answers
+        def check(self, keys):
+            return False
+
+        def set(self, key, value):
+            pass
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(_watchdog.time, "sleep", sleeps.append)
+    clock = iter(range(0, 10_000))  # each look at the clock one second later
+    monkeypatch.setattr(_watchdog.time, "monotonic", lambda: float(next(clock)))
+    watch = _watchdog._Watch(1800.0, 0, 2, Silent())
+    monkeypatch.setattr(_watchdog, "_signalled", False)
+    assert watch.others() == {1: None} and len(sleeps) >= 4  # waited out the grace
+    sleeps.clear()
+    _watchdog.signalled()
+    assert watch.others() == {1: None} and sleeps == []  # at once

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+from engine import parallel
 from engine.state import TrainState
 
 __all__ = ["SignalCatcher"]
@@ -74,6 +75,7 @@ class SignalCatcher:
             if self.received is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now
             self.received = signum
+            parallel.signalled()  # a collective failing now reports without waiting
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
         self._depth = 1

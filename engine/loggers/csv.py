@@ -192,8 +192,9 @@ class CSVLogger(Logger):
             columns = sorted({k for row in kept for k, v in row.items() if v} - {"step"})
             if len(kept) < len(rows) or (rows and list(rows[0]) != ["step", *columns]):
                 header = ["step", *columns]
-                text = _csv_text(header, [{k: r[k] for k in header if k in r} for r in kept],
-                                 with_header=True)
+                text = _csv_text(
+                    header, [{k: r[k] for k in header if k in r} for r in kept], with_header=True
+                )
                 write_atomically(path, text)
         self._opened = True  # continued: not replaced at the first write
         self._columns = columns

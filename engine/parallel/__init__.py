@@ -19,6 +19,7 @@ A sharded state's checkpoints are this package's too: importing it registers the
 
 from engine.errors import CollectiveError
 from engine.parallel._dcp_layout import register as _register_checkpoint_layout
+from engine.parallel._watchdog import signalled as signalled  # the driver's signal handler
 from engine.parallel.ddp import DDP
 from engine.parallel.deepspeed import DeepSpeedStrategy
 from engine.parallel.fsdp import FSDP, full_state

@@ -137,13 +137,30 @@ class _Watch:
                 for r, key in keys.items():
                     if found[r] is None and self.store.check([key]):
                         found[r] = self.store.get(key).decode(errors="replace")
-                if all(v is not None for v in found.values()) or time.monotonic() > deadline:
+                if (
+                    all(v is not None for v in found.values())
+                    or time.monotonic() > deadline
+                    or _signalled  # being shut down (torchrun's SIGTERM after a peer died)
+                ):
                     break
                 time.sleep(0.1)
         return found
 
 
 _watch: _Watch | None = None
+_signalled = False
+
+
+def signalled() -> None:
+    """Say that this process received SIGTERM or SIGINT (called from the signal handler: an
+    assignment only). A collective that fails from now on reports at once, instead of waiting
+    up to ``_GRACE`` seconds for the other ranks to say where they are: torchrun sends its
+    SIGTERM to the survivors when a rank dies, and a restart should not wait on diagnostics
+    nobody reads."""
+    global _signalled
+    _signalled = True
+
+
 _timeout: datetime.timedelta = DEFAULT_TIMEOUT
 
 
@@ -156,11 +173,12 @@ def timeout() -> datetime.timedelta:
 def start(timeout: datetime.timedelta) -> None:
     """Watch this process's collectives (once its default process group is joined, with
     ``timeout``)."""
-    global _watch, _timeout
+    global _watch, _timeout, _signalled
     import torch.distributed as dist
 
     stop()
     _timeout = timeout
+    _signalled = False
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     try:
