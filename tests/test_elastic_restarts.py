@@ -1,6 +1,9 @@
-"""torchrun restarts (issue 27, item 1): a rank killed (SIGKILL) or preempted (SIGTERM) in the
-first attempt, ``torchrun --max-restarts=1`` starts the group again, and the restarted workers
-join and finish where the uninterrupted run finishes, bitwise.
+"""torchrun restarts (issue 27): a rank killed (SIGKILL) or preempted (SIGTERM) in the first
+attempt, ``torchrun --max-restarts=1`` starts the group again (``--standalone`` and an explicit
+c10d rendezvous with a run id), and the restarted workers join, resume from the checkpoint they
+should (the journal's start lines say which) and finish where the uninterrupted run finishes:
+the state bitwise, ``metrics.csv`` byte for byte, the TensorBoard scalars and every step's loss
+once, and ``engine replay`` vouches for the steps of both attempts.
 
 Real torchrun on purpose: its agent shares the rendezvous's TCP store with the workers (torch's
 default since 2.4), and a restarted attempt joined through the keys the previous one left there
@@ -18,6 +21,7 @@ from pathlib import Path
 import _procs
 import pytest
 import torch
+from _ranks import free_port
 from test_ddp_trainer import _env, _ok
 from test_loggers import _scalars
 
@@ -75,7 +79,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _restarted(
-    tmp: Path, strategy: str, sig: str, logs: str = "csv"
+    tmp: Path, strategy: str, sig: str, logs: str = "csv", rdzv: str = "standalone"
 ) -> tuple[list[str], dict, str]:
     script = tmp / "train.py"
     script.write_text(SCRIPT)
@@ -84,7 +88,16 @@ def _restarted(
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *(
+            ["--standalone"]
+            if rdzv == "standalone"  # c10d on a free port, a run id of its own
+            else [
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                "--rdzv-id=job-42",
+                "--nnodes=1",
+            ]
+        ),
         "--nproc-per-node=2",
         "--max-restarts=1",
         "--monitor-interval=0.5",
@@ -103,23 +116,23 @@ def _restarted(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "strategy, sig, resumed_from",
+    "strategy, sig, resumed_from, rdzv",
     [
-        ("ddp", "SIGKILL", "last"),  # the last checkpoint, step 6
-        ("ddp", "SIGTERM", "interrupted-step=7"),  # the signal's own checkpoint
-        ("fsdp", "SIGKILL", "last"),
-        ("fsdp", "SIGTERM", "interrupted-step=7"),
+        ("ddp", "SIGKILL", "last", "standalone"),  # the last checkpoint, step 6
+        ("ddp", "SIGTERM", "interrupted-step=7", "c10d"),  # the signal's own checkpoint
+        ("fsdp", "SIGKILL", "last", "c10d"),
+        ("fsdp", "SIGTERM", "interrupted-step=7", "standalone"),
     ],
 )
 def test_a_restarted_attempt_joins_resumes_and_ends_bitwise(
-    tmp_path_factory, tmp_path, strategy, sig, resumed_from
+    tmp_path_factory, tmp_path, strategy, sig, resumed_from, rdzv
 ):
     reference = tmp_path_factory.getbasetemp() / f"uninterrupted-{strategy}"
     if not (reference / f"{strategy}-none" / "final.pt").is_file():
         reference.mkdir(exist_ok=True)
         assert _restarted(reference, strategy, "none")[0] == ["0", "24", "-"]  # the run unkilled
     expected = torch.load(reference / f"{strategy}-none" / "final.pt", weights_only=True)
-    done, final, _ = _restarted(tmp_path, strategy, sig)
+    done, final, _ = _restarted(tmp_path, strategy, sig, rdzv=rdzv)
     # the second attempt finished, from the checkpoint the first one left, not from step 0
     assert done == ["1", "24", resumed_from]
     assert final.keys() == expected.keys()
