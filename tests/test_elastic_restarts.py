@@ -43,14 +43,16 @@ SCRIPT = textwrap.dedent(
     from engine.loggers import CSVLogger, TensorBoardLogger
 
     root, strategy, sig, logs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    nodes = int(sys.argv[5]) if len(sys.argv) > 5 else 1  # agents, one rank each when 2
     rank = int(os.environ["RANK"])
+    killed = os.path.join(root, "killed")  # once: each node's agent counts its own restarts
 
     at = int(os.environ.get("KILL_AT_STEP", "7"))
 
     class Killer(eg.Listener):  # rank 1 dies at step 7 of the first attempt
         def on_train_batch_end(self, rec):
-            if sig != "none" and attempt == 0 and rank == 1 and rec.state.step == at:
+            if sig != "none" and rank == 1 and rec.state.step == at and not os.path.exists(killed):
+                open(killed, "w").close()
                 os.kill(os.getpid(), getattr(signal, sig))
 
     torch.manual_seed(0)
@@ -58,7 +60,7 @@ SCRIPT = textwrap.dedent(
     data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(12)]
     task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
     trainer = eg.Trainer(
-        strategy=strategy, devices=2, accelerator="cpu", max_epochs=2,
+        strategy=strategy, devices=2 // nodes, num_nodes=nodes, accelerator="cpu", max_epochs=2,
         # "csv": a CSV and a TensorBoard logger with version=None (a version_N shared, the
         # ModelCheckpoint directory under it, as with the default logger); "default": None
         logger=[CSVLogger(root), TensorBoardLogger(root)] if logs == "csv" else None,
@@ -72,7 +74,10 @@ SCRIPT = textwrap.dedent(
         for k, v in state.params.items()
     }
     if trainer.is_global_zero:
-        print("DONE", attempt, state.step, os.path.basename(trainer.ckpt_path or "-"), flush=True)
+        from engine.parallel import elastic  # the attempt the ranks agreed on
+
+        resumed = os.path.basename(trainer.ckpt_path or "-")
+        print("DONE", elastic.attempt(), state.step, resumed, flush=True)
         torch.save(full, os.path.join(root, "final.pt"))
     """
 )
@@ -190,4 +195,59 @@ def test_a_restart_with_the_default_logger_continues_in_the_first_attempts_direc
     versions = sorted(p.name for p in (tmp_path / "ddp-SIGKILL" / "lightning_logs").iterdir())
     assert versions == ["version_0"]
     assert "exists and is not empty" not in stderr  # a resume into its own directory
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+@pytest.mark.slow
+def test_two_agents_agree_on_the_attempt_when_only_one_counted_a_restart(
+    tmp_path_factory, tmp_path
+):
+    """Two torchrun agents of one job (two "nodes", one rank each, a c10d rendezvous): rank 1
+    killed at step 7. Its agent counts a restart (TORCHELASTIC_RESTART_COUNT=1); the other
+    agent restarts its worker for the new rendezvous round without counting one (0). Keyed by
+    the restart count, the ranks' stores would differ; the attempt they agree on through the
+    store is 1 on both, so they join, rank 0 continues in the first attempt's version_0 (its
+    own count says 0: a first attempt) from its checkpoint, and ends bitwise."""
+    reference = tmp_path_factory.getbasetemp() / "uninterrupted-ddp"
+    if not (reference / "ddp-none" / "final.pt").is_file():
+        reference.mkdir(exist_ok=True)
+        assert _restarted(reference, "ddp", "none")[0] == ["0", "24", "-"]
+    expected = torch.load(reference / "ddp-none" / "final.pt", weights_only=True)
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    root = tmp_path / "ddp-SIGKILL"
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=job-two-nodes",
+        "--max-restarts=1",  # one restart: a join lost to a stale key would use it up
+        "--monitor-interval=0.5",
+        str(script),
+        str(root),
+        "ddp",
+        "SIGKILL",
+        "csv",
+        "2",
+    ]
+    import subprocess
+
+    agents = [
+        _procs.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [agent.communicate(timeout=150) for agent in agents]
+    for agent, (_, err) in zip(agents, outs, strict=True):
+        assert agent.returncode == 0, err[-4000:]
+    (done,) = [
+        ln.split()[1:] for out, _ in outs for ln in out.splitlines() if ln.startswith("DONE")
+    ]
+    assert done == ["1", "24", "last"]
+    assert sorted(p.name for p in (root / "lightning_logs").iterdir()) == ["version_0"]
+    final = torch.load(root / "final.pt", weights_only=True)
     assert all(torch.equal(final[k], expected[k]) for k in expected)

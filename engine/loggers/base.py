@@ -308,18 +308,18 @@ def claim_version(root: str | os.PathLike[str], version: int = 0) -> int:
 
 
 #: in a ``version_N`` claimed under torchrun: its ``TORCHELASTIC_RUN_ID``, so that the attempts
-#: after a restart (``TORCHELASTIC_RESTART_COUNT > 0``) continue in the first one's directory
+#: after a restart (attempt > 0) continue in the first one's directory
 ELASTIC_RUN_FILE = ".torchelastic_run_id"
 
 
 def _elastic_run() -> tuple[str, int] | None:
-    """``(TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT)`` under torchrun, else ``None``."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    try:
-        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
-    except ValueError:
-        return None
-    return (run_id, count) if run_id else None
+    """``(TORCHELASTIC_RUN_ID, attempt)`` under torchrun, else ``None``: the attempt the ranks
+    agreed on when they joined (:func:`engine.parallel.elastic.attempt`, the same on every
+    node; a node's own restart count is not)."""
+    from engine.parallel import elastic
+
+    run_id, number = elastic.run_id(), elastic.attempt()
+    return (run_id, number) if run_id is not None and number is not None else None
 
 
 def _attempts_version(root: str, run_id: str) -> int | None:

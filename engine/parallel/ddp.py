@@ -41,7 +41,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -52,7 +52,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from engine.errors import CollectiveError
 from engine.metrics import distributed_sync
-from engine.parallel import _watchdog, lengths
+from engine.parallel import _watchdog, elastic, lengths
 from engine.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from engine.state import TrainState
 from engine.step import _model_view as _step
@@ -279,9 +279,11 @@ class DDP(Strategy):
             kwargs["init_method"] = "env://"
         start, where = time.monotonic(), kwargs["init_method"]
         try:
-            if _restart_attempt() is not None:
-                kwargs, where = _attempt_store(kwargs, self.timeout)
-            dist.init_process_group(self._backend(), **kwargs)
+            if elastic.shared_store():  # torchrun's store: keys of this attempt's own
+                with _attempt_store(kwargs, self.timeout) as (kwargs, where):
+                    dist.init_process_group(self._backend(), **kwargs)
+            else:
+                dist.init_process_group(self._backend(), **kwargs)
         except dist.DistError as e:  # the rendezvous's store: refused, or timed out
             raise self._rendezvous_failed(where, time.monotonic() - start, e) from e
         atexit.register(_destroy)
@@ -563,26 +565,18 @@ def _broadcast_buffers(module: nn.Module | None, buffers: dict[str, Tensor]) -> 
                     t.copy_(v)
 
 
-def _restart_attempt() -> str | None:
-    """This worker's attempt under torchrun when its agent shares the rendezvous's TCP store
-    with the workers (torch's default since 2.4: ``TORCHELASTIC_USE_AGENT_STORE``), else
-    ``None``. The shared store outlives a restart, so a restarted attempt must not read the
-    keys the previous one wrote there."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return None
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
+@contextlib.contextmanager
 def _attempt_store(
     kwargs: dict[str, Any], timeout: datetime.timedelta
-) -> tuple[dict[str, Any], str]:
-    """``init_process_group``'s arguments with a store of this attempt's own: a client of the
-    agent's store under the prefix ``engine/attempt_<TORCHELASTIC_RESTART_COUNT>/``. torch
+) -> Iterator[tuple[dict[str, Any], str]]:
+    """``init_process_group``'s arguments with a store of this attempt's own: a client of
+    torchrun's shared store under the prefix ``engine/attempt_<n>/``, ``n`` the attempt the
+    ranks agree on (:func:`engine.parallel.elastic.agree`, the same on every node). torch
     joins every attempt's workers through the same keys of the shared store, so a restarted
     rank can read the previous attempt's gloo addresses or NCCL id and connect to a dead peer
     (pytorch/pytorch#135712: ``Gloo connectFullMesh failed ... Connection refused``, or a hang
-    until the timeout); every worker of an attempt has the same restart count (the agent
-    restarts the whole group), so the prefix keeps the attempts apart."""
+    until the timeout). The join happens inside the ``with`` block (rank 0 answers the others
+    until it ends)."""
     kwargs = dict(kwargs)
     where = kwargs.pop("init_method")
     if where == "env://":
@@ -591,10 +585,14 @@ def _attempt_store(
     else:
         host, _, port_text = where[len("tcp://") :].rpartition(":")
         host, port = host.strip("[]"), int(port_text)
-    store = dist.TCPStore(host, port, kwargs["world_size"], is_master=False, timeout=timeout)
-    attempt = _restart_attempt()
-    where = f"tcp://{_host(host)}:{port} (torchrun's shared store, attempt {attempt})"
-    return {**kwargs, "store": dist.PrefixStore(f"engine/attempt_{attempt}/", store)}, where
+
+    def connect() -> Any:
+        return dist.TCPStore(host, port, kwargs["world_size"], is_master=False, timeout=timeout)
+
+    with elastic.agree(connect, kwargs["rank"], kwargs["world_size"], timeout) as attempt:
+        where = f"tcp://{_host(host)}:{port} (torchrun's shared store, attempt {attempt})"
+        store = dist.PrefixStore(f"engine/attempt_{attempt}/", connect())
+        yield {**kwargs, "store": store}, where
 
 
 def _host(address: str) -> str:
