@@ -80,8 +80,8 @@ def raw_loop(sizes, b, fused: bool = False) -> Callable[[], None]:
     return run
 
 
-def engine_loop(sizes, b, compile: bool = False) -> Callable[[], None]:
-    tx = optim.adamw(1e-3)
+def engine_loop(sizes, b, compile: bool = False, fused: bool | None = None) -> Callable[[], None]:
+    tx = optim.adamw(1e-3, fused=fused)  # default: torch.optim.AdamW's default path, bitwise
     box = [eg.TrainState.create(mlp(sizes), tx, seed=0)]
     step = eg.train_step(loss_fn, tx, compile=compile)
 
@@ -95,6 +95,7 @@ VARIANTS: dict[str, Callable[..., Callable[[], None]]] = {
     "raw": raw_loop,
     "raw_fused": lambda s, b: raw_loop(s, b, fused=True),
     "engine_eager": engine_loop,
+    "engine_fused": lambda s, b: engine_loop(s, b, fused=True),
     "engine_compiled": lambda s, b: engine_loop(s, b, compile=True),
 }
 
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     results.update(time_variants("tiny", rounds, steps=100, warmup=30))
     results.update(time_variants("medium", rounds if not args.quick else 5, steps=5, warmup=10))
-    results.update(measure_memory(["raw", "raw_fused", "engine_eager"], steps=3))
+    results.update(measure_memory(["raw", "raw_fused", "engine_eager", "engine_fused"], steps=3))
     from benchmarks.trainer import time_trainer  # imports this module: import late
 
     results.update(time_trainer(rounds=5 if args.quick else 11))

@@ -244,7 +244,7 @@ def test_gpu_fit_places_the_state_once_and_moves_pinned_batches():
 @pytest.mark.gpu
 def test_gpu_default_adamw_is_the_fused_kernel_bitwise():
     model = _mlp().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = _batches(6)
     for x, y in data:
         opt.zero_grad()

@@ -141,7 +141,7 @@ def test_an_unfrozen_parameter_restarts_from_a_fresh_state():
     assert adam.step["a"].item() == 1.0 and adam.step["b"].item() == 4.0
     assert torch.equal(adam.exp_avg["a"], (1 - 0.9) * g["a"])
     ref = torch.nn.Parameter(a_before.clone())  # a new torch.optim group: first Adam step
-    opt = torch.optim.Adam([ref], lr=0.1, fused=True)
+    opt = torch.optim.Adam([ref], lr=0.1)
     ref.grad = g["a"].clone()
     opt.step()
     assert torch.equal(params["a"], ref.detach())
@@ -166,7 +166,7 @@ def test_unfreezing_at_an_epoch_equals_torch_adding_a_param_group(which):
 
     def make(ps):
         if which == "adam":
-            return torch.optim.Adam(ps, lr=1e-2, fused=True)
+            return torch.optim.Adam(ps, lr=1e-2)
         return torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=True)
 
     ref.backbone.requires_grad_(False)
@@ -210,7 +210,7 @@ def _lightning_run(net: Net, data, epochs: int, callback_kw: dict):
 
         def configure_optimizers(self):
             ps = [p for p in self.parameters() if p.requires_grad]
-            return torch.optim.Adam(ps, lr=1e-2, fused=True)
+            return torch.optim.Adam(ps, lr=1e-2)
 
     class Record(pl.Callback):
         def __init__(self) -> None:

@@ -23,7 +23,7 @@ def _model() -> nn.Module:
     [
         (
             lambda: optim.inject_hyperparams(optim.adamw)(lr=1e-2, weight_decay=0.1),
-            lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+            lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
         ),
         (
             lambda: optim.inject_hyperparams(optim.sgd)(lr=0.1, momentum=0.9),

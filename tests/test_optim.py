@@ -171,14 +171,54 @@ def test_adam_and_adamw_match_torch_after_100_steps(name, kw, mode, torch_kw, ex
     _compare(ours, theirs, exact)
 
 
-def test_adamw_default_is_fused_and_matches_torch_fused_bitwise():
-    theirs = _reference(_opt(torch.optim.AdamW, lr=1e-2, fused=True))
-    _compare(_ours(optim.adamw(1e-2)), theirs, exact=True)
+PORTS = [  # optim.x(lr, **kw) against torch.optim.X(params, lr, **kw), each with its defaults
+    ("sgd", torch.optim.SGD, {}),
+    ("sgd", torch.optim.SGD, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}),
+    ("adam", torch.optim.Adam, {}),
+    ("adam", torch.optim.Adam, {"amsgrad": True, "weight_decay": 0.1}),
+    ("adamw", torch.optim.AdamW, {}),
+    ("adamw", torch.optim.AdamW, {"amsgrad": True, "maximize": True}),
+    ("rmsprop", torch.optim.RMSprop, {}),
+    ("rmsprop", torch.optim.RMSprop, {"momentum": 0.9, "centered": True}),
+    ("adagrad", torch.optim.Adagrad, {}),
+    ("adagrad", torch.optim.Adagrad, {"lr_decay": 0.01, "weight_decay": 0.1}),
+]
+
+
+@pytest.mark.parametrize(("name", "cls", "kw"), PORTS, ids=lambda x: str(x))
+def test_a_port_of_torch_optim_with_its_defaults_gives_torchs_parameters_bitwise(name, cls, kw):
+    """``torch.optim.X(params, lr, ...)`` ported to ``optim.x(lr, ...)``, nothing else said:
+    the same parameters bit for bit after 100 steps (torch's default path on this device; on
+    the CPU its single-tensor loop), at the default rate and a larger one."""
+    for lr in (1e-3, 1e-2):
+        theirs = _reference(_opt(cls, lr=lr, **kw), sign=_sign(kw))
+        _compare(_ours(getattr(optim, name)(lr, **kw), sign=_sign(kw)), theirs, exact=True)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_fused_true_is_torchs_fused_kernel_bitwise(name):
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    kw = {"momentum": 0.9} if name == "sgd" else {}
+    theirs = _reference(_opt(cls, lr=1e-2, fused=True, **kw))
+    _compare(_ours(getattr(optim, name)(1e-2, fused=True, **kw)), theirs, exact=True)
+    # not the default path's bits: fused=True is a choice with consequences, as in torch
+    default = _reference(_opt(cls, lr=1e-2, **kw))
+    assert any(not torch.equal(theirs[k], default[k]) for k in theirs) or name == "sgd"
+
+
+def test_fused_refuses_what_its_kernel_cannot_take_and_bad_values():
+    params = {"w": torch.ones(3, dtype=torch.float64), "n": torch.ones(3, dtype=torch.int64)}
+    tx = optim.sgd(1e-2, fused=True)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    with pytest.raises(ValueError, match=r"sgd\(fused=True\): parameter 'n' is torch.int64"):
+        optim.apply_gradients(tx, grads, tx.init(params), params, 0)
+    with pytest.raises(ValueError, match="'fused' must be True, False or None"):
+        optim.adam(1e-3, fused="yes")  # type: ignore[arg-type]
 
 
 def test_fused_adam_state_holds_float32_step_tensors_that_count_steps():
     params = _mlp_params(torch.float64)
-    tx = optim.adam(1e-3)
+    tx = optim.adam(1e-3, fused=True)
     state = tx.init(params)
     for step in range(3):
         grads = {k: torch.ones_like(v) for k, v in params.items()}
@@ -199,7 +239,7 @@ def test_fused_adamw_groups_mixed_dtypes_like_torch():
 
     ref = make()
     opt = torch.optim.AdamW(list(ref.values()), lr=0.1, fused=True)
-    ours, tx = make(), optim.adamw(0.1)
+    ours, tx = make(), optim.adamw(0.1, fused=True)
     state = tx.init(ours)
     for step in range(5):
         for p in ref.values():

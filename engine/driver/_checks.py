@@ -527,7 +527,7 @@ def warn_hyperparams_in_dtype(tx: Any, opt_state: Any, params: Mapping[str, Any]
             tiny = torch.finfo(dtype).tiny
             effect = (
                 "where a gradient is zero the update is 0 / 0 = NaN on the foreach path "
-                "(torch.optim's default, optim's fused=False, compile=True), as "
+                "(torch.optim's default and optim's, compile=True), as "
                 "torch.optim on a model cast with .half() gives"
             )
             warnings.warn(

@@ -2,9 +2,11 @@
 
 Each alias reproduces its ``torch.optim`` namesake: under :func:`~engine.optim.apply_gradients`
 the chain's terminal ``apply`` runs the same kernel sequence as torch.optim's foreach
-implementation (bitwise equal parameters). ``adam`` / ``adamw`` default to the fused kernels
-``torch._fused_adam_`` / ``_fused_adamw_`` (bitwise equal to ``torch.optim.X(fused=True)``; one
-kernel, no temporaries); ``sgd(fused=True)`` uses ``torch._fused_sgd_``. The composable ``update``
+implementation (bitwise equal parameters), which is also its default on the CPU (the
+single-tensor loop; equal bitwise): a port of ``torch.optim.X(params, ...)`` to ``optim.x(...)``
+gives torch's numbers. As in torch, ``fused=True`` takes the fused kernels instead
+(``torch._fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_``: bitwise
+``torch.optim.X(fused=True)``; one kernel, no temporaries, faster). The composable ``update``
 form agrees with torch.optim to float rounding (about 1e-7 relative per step).
 """
 
@@ -86,15 +88,18 @@ def _with_fused(
 ) -> GradientTransformation:
     """``base`` with a terminal ``apply`` that runs ``kernel`` per (device, dtype, decay) group.
 
-    ``fused=None`` uses the kernel when every parameter supports it and otherwise falls back to
-    ``base``; ``fused=True`` raises on unsupported parameters; ``fused=False`` returns ``base``.
-    Under ``torch.compile`` the fused kernels cannot be functionalised, so the compiled step
-    always takes ``base`` (torch.optim's foreach sequence, which Inductor fuses).
+    ``fused=True`` takes the kernel, and raises on parameters it does not support (as
+    torch.optim does); ``fused=None`` (torch's default) and ``False`` return ``base``, torch's
+    foreach sequence. Under ``torch.compile`` the fused kernels cannot be functionalised, so
+    the compiled step always takes ``base`` (which Inductor fuses).
     """
-    if fused is False:
+    if fused is None or fused is False:
         return base
-    if fused not in (None, True):
-        raise ValueError(f"{name}: 'fused' must be True, False or None (got {fused!r})")
+    if fused is not True:
+        raise ValueError(
+            f"{name}: 'fused' must be True, False or None (got {fused!r}); None (the default) "
+            "is torch.optim's default path, True its fused kernel"
+        )
 
     def fallback(grads: Updates, state: OptState, params: Params, step: int) -> OptState:
         if base.apply is not None:
@@ -124,14 +129,12 @@ def _with_fused(
         if not grads or torch.compiler.is_compiling():
             return fallback(grads, state, params, step) if grads else state
         bad, groups = groups_of(params)
-        if bad and fused is None:
-            return fallback(grads, state, params, step)
         if bad:
             p = params[bad[0]]
             raise ValueError(
                 f"{name}(fused=True): parameter {bad[0]!r} is {p.dtype} on {p.device}, which the "
                 f"fused kernel does not support (it needs floating point tensors on "
-                f"{'/'.join(_FUSED_DEVICES)}); pass fused=None to fall back to the foreach path"
+                f"{'/'.join(_FUSED_DEVICES)}); leave fused out for torch.optim's default path"
             )
         for keys, decay in groups:
             kernel(keys, grads, state, params, step, decay)
@@ -149,7 +152,7 @@ def sgd(
     maximize: bool = False,
     *,
     mask: Mask | None = None,
-    fused: bool | None = False,
+    fused: bool | None = None,
 ) -> GradientTransformation:
     """Stochastic gradient descent, as torch.optim.SGD.
 
@@ -163,8 +166,8 @@ def sgd(
         maximize: ascend the objective instead.
         mask: which parameters get weight decay: ``{name: bool}`` or a callable
             ``params -> {name: bool}`` such as :func:`~engine.optim.decay_mask`; default all.
-        fused: use ``torch._fused_sgd_`` (``None``: when the params' device/dtype support it).
-            Off by default, like torch.optim.SGD, whose default foreach path this matches
+        fused: ``True`` runs ``torch._fused_sgd_`` (bitwise ``torch.optim.SGD(fused=True)``);
+            ``None`` (the default) or ``False``: torch.optim.SGD's default path, matched
             bitwise (SGD is one memory-bound pass either way, so fusing gains little).
 
     Returns:
@@ -263,9 +266,10 @@ def adam(
     """Adam, as torch.optim.Adam (``weight_decay`` is an L2 penalty on the gradient).
 
     ``chain([scale(-1)], [add_decayed_weights], scale_by_adam(lr=lr))``. By default the terminal
-    ``apply`` is ``torch._fused_adam_`` (bitwise torch.optim.Adam(fused=True)); with
-    ``fused=False`` it is torch.optim's foreach kernel sequence (bitwise the default
-    torch.optim.Adam).
+    ``apply`` is torch.optim's foreach kernel sequence, bitwise the default torch.optim.Adam
+    (on the CPU, whose default single-tensor loop gives the same bits, as on CUDA); with
+    ``fused=True`` it is ``torch._fused_adam_``, bitwise ``torch.optim.Adam(fused=True)``:
+    one kernel, no temporaries, faster (see benchmarks/README.md).
 
     Args:
         lr: learning rate (float or schedule ``step -> lr``).
@@ -276,7 +280,8 @@ def adam(
         maximize: ascend the objective instead.
         mask: which parameters get weight decay: ``{name: bool}`` or a callable
             ``params -> {name: bool}`` such as :func:`~engine.optim.decay_mask`; default all.
-        fused: use the fused kernel (``None``: when the params' device/dtype support it).
+        fused: ``True`` runs the fused kernel (parameters it does not support are refused, as
+            in torch); ``None`` (the default) or ``False``: torch.optim's default path.
 
     Returns:
         The optimizer as a :class:`GradientTransformation`.
@@ -309,9 +314,11 @@ def adamw(
 ) -> GradientTransformation:
     """AdamW, as torch.optim.AdamW (decoupled weight decay ``p *= 1 - lr * weight_decay``).
 
-    ``chain([scale(-1)], scale_by_adam(lr=lr), [decoupled_weight_decay])``; fused by default
-    (``torch._fused_adamw_``). ``mask=optim.decay_mask`` skips decay on biases and norm weights
-    (like two torch.optim param groups; the fused kernel then runs once per group).
+    ``chain([scale(-1)], scale_by_adam(lr=lr), [decoupled_weight_decay])``: bitwise the default
+    torch.optim.AdamW; ``fused=True`` runs ``torch._fused_adamw_`` (bitwise
+    ``torch.optim.AdamW(fused=True)``, faster). ``mask=optim.decay_mask`` skips decay on biases
+    and norm weights (like two torch.optim param groups; a fused kernel then runs once per
+    group).
 
     Args:
         lr: learning rate (float or schedule ``step -> lr``).
@@ -322,7 +329,8 @@ def adamw(
         maximize: ascend the objective instead.
         mask: which parameters get weight decay: ``{name: bool}`` or a callable
             ``params -> {name: bool}`` such as :func:`~engine.optim.decay_mask`; default all.
-        fused: use the fused kernel (``None``: when the params' device/dtype support it).
+        fused: ``True`` runs the fused kernel (parameters it does not support are refused, as
+            in torch); ``None`` (the default) or ``False``: torch.optim's default path.
 
     Returns:
         The optimizer as a :class:`GradientTransformation`.
