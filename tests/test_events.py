@@ -314,3 +314,21 @@ def test_setting_trainer_should_stop_says_to_return_stop():
     with pytest.raises(AttributeError, match=r"returns engine\.Stop\('why'\)"):
         trainer.should_stop = True
     assert trainer.should_stop is False
+
+
+def test_a_listeners_stop_is_not_carried_into_a_resume_with_raised_limits(tmp_path):
+    """Lightning does not carry ``should_stop`` in a checkpoint: a fit stopped by a listener and
+    resumed from the checkpoint saved in the same event, with more epochs, trains on (the
+    listeners' own states are what carries over)."""
+    stopper = _Order("stopper", [], eg.Save(tmp_path / "c"), eg.Stop("enough"))
+    first = _fit([stopper], max_epochs=3)
+    assert first.should_stop and first.global_step == 3  # stopped after the first epoch
+    assert eg.checkpoint.read_meta(tmp_path / "c")["extra"]["trainer"]["should_stop"] is True
+
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(3)]
+    again = eg.Trainer(max_epochs=3, **QUIET)
+    state = again.fit(
+        task, task.init(torch.nn.Linear(3, 1)), data, data[:1], ckpt_path=tmp_path / "c"
+    )
+    assert not again.should_stop and state.step == 9 and again.current_epoch == 3

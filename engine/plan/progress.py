@@ -156,7 +156,10 @@ class Progress(NamedTuple):
             phase = _older_phase(phase, saved["event"])
         return cls(
             total_batch_idx=total,
-            should_stop=bool(saved.get("should_stop", False)),
+            # a listener's Stop is not carried over (Lightning's neither): a fit resumed with
+            # raised limits trains on; the listeners' own states (EarlyStopping's wait count)
+            # are what carries, and decide again
+            should_stop=False,
             resume_phase=None if phase is Phase.BETWEEN else phase,
             resume_data_state=None if data_state is None else data.state_from_json(data_state),
         )
