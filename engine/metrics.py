@@ -79,11 +79,14 @@ class LogOptions:
     """How one metric is logged: Lightning's ``self.log`` options.
 
     Args:
-        on_step: log each logging step's value (training; default ``True``).
+        on_step: log each logging step's value (training: default ``True``; validation and
+            test: default ``False``, ``True`` logs each batch's value, at the count of that
+            loader's batches evaluated so far, as Lightning does).
         on_epoch: log the epoch's reduction (default ``True`` in training: ``<name>_epoch``,
-            or the name alone with ``on_step=False``;
-            evaluation always reduces over the epoch). With both set explicitly the step value
-            is ``<name>_step`` and the epoch's ``<name>_epoch``, as Lightning names them.
+            or the name alone with ``on_step=False``; in validation and test the name alone,
+            or ``<name>_epoch`` beside ``<name>_step`` when ``on_step=True``). With both set
+            explicitly the step value is ``<name>_step`` and the epoch's ``<name>_epoch``, as
+            Lightning names them.
         prog_bar: show it in the progress bar.
         reduce_fx: ``"mean"`` (weighted by batch size), ``"sum"``, ``"max"`` or ``"min"``.
         sync_dist: reduce the training epoch's value across ranks (Lightning's ``sync_dist``):
@@ -593,6 +596,46 @@ class MetricReducer:
             only_epoch = options is not None and options.on_step is False
             out[name if only_epoch else f"{name}_epoch"] = v
         return out
+
+    # -- the evaluation loops' names (Lightning's defaults there: epoch values only)
+
+    def eval_step_logged(self, prefix: str, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """An evaluation batch's values of the metrics logged per step there
+        (``LogOptions(on_step=True)``), on the host in one transfer, named as Lightning names
+        them: ``<prefix>/<name>_step``, or the name alone with ``on_epoch=False``. Empty (and
+        no transfer) when no metric asks for step values, the default.
+
+        Example:
+            >>> r = MetricReducer(options={"loss": LogOptions(on_step=True)})
+            >>> r.eval_step_logged("val", {"loss": torch.tensor(0.5), "acc": torch.tensor(1.0)})
+            {'val/loss_step': 0.5}
+        """
+        names = [
+            (k, n)
+            for k, v in metrics.items()
+            if isinstance(v, Tensor) and (n := self._eval_step_name(prefix, k)) is not None
+        ]
+        if not names:
+            return {}
+        values = torch.stack([metrics[k].detach().float() for k, _ in names]).tolist()
+        return {n: v for (_, n), v in zip(names, values, strict=True)}
+
+    def eval_epoch_name(self, prefix: str, key: str) -> str | None:
+        """The name an evaluation epoch's value of ``key`` is logged under: the name alone (the
+        default, on the epoch only), ``<name>_epoch`` when it is logged per step too, ``None``
+        with ``on_epoch=False`` (step values only), as Lightning names them."""
+        options = self.options.get(key)
+        name = metric_name(prefix, key)
+        if options is None or options.on_step is not True:
+            return name
+        return None if options.on_epoch is False else f"{name}_epoch"
+
+    def _eval_step_name(self, prefix: str, key: str) -> str | None:
+        options = self.options.get(key)
+        if options is None or options.on_step is not True:
+            return None
+        name = metric_name(prefix, key)
+        return name if options.on_epoch is False else f"{name}_step"
 
     def _step_name(self, key: str) -> str | None:
         options = self.options.get(key)

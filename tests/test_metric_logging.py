@@ -174,6 +174,7 @@ def test_test_metrics_from_the_best_checkpoint_are_logged_after_the_fits_rows(tm
     steps = [step for step, _ in rows.rows]
     assert steps == sorted(steps) and "test/loss" in rows.rows[-1][1]
     assert rows.rows[-1][0] == 16  # at the step the run had reached, as Lightning logs it
+    assert rows.rows[-1][1]["epoch"] == 4  # and its epoch (the fit's 4, not the best one's)
 
 
 def test_metric_objects_must_give_one_number_and_collections_are_named():
@@ -387,3 +388,84 @@ def test_the_returned_loss_is_logged_once_under_the_name_the_user_chose(own, opt
     trainer = eg.Trainer(max_epochs=1, logger=rows, log_every_n_steps=1, **QUIET)
     trainer.fit(task, task.init(_model()), _data())
     assert set().union(*(set(r) for _, r in rows.rows)) - {"epoch"} == expected
+
+
+def test_on_step_in_validation_and_test_logs_lightnings_rows(tmp_path):
+    """``self.log(name, on_step=True)`` in validation_step and test_step, against Lightning's
+    own CSV: a ``<name>_step`` row per batch, at the count of that loader's batches evaluated
+    so far (a fit's validations count on across epochs), and ``<name>_epoch`` at the epoch's
+    end (not the name alone). Values to float rounding (the same model and batches)."""
+    pl = pytest.importorskip("pytorch_lightning")
+    import csv
+    import warnings
+
+    from engine.loggers import CSVLogger
+
+    data, val = _data(4), _data(3, seed=1)
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    val_loader = torch.utils.data.DataLoader(val, batch_size=None)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch, i):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, i):
+            self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]), on_step=True)
+
+        def test_step(self, batch, i):
+            self.log("test_loss", F.cross_entropy(self.net(batch[0]), batch[1]), on_step=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(
+            max_epochs=2,
+            accelerator="cpu",
+            log_every_n_steps=100,  # no training rows: the evaluation rows are compared
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+            logger=pl.loggers.CSVLogger(tmp_path / "pl"),
+        )
+        module = Module()
+        trainer.fit(module, loader, val_loader)
+        trainer.test(module, val_loader, verbose=False)
+    (theirs,) = (tmp_path / "pl").rglob("metrics.csv")
+
+    task = eg.Task(
+        lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+        optim.sgd(0.1),
+        eval_fn=lambda m, b: {"val_loss": F.cross_entropy(m(b[0]), b[1])},
+        test_fn=lambda m, b: {"test_loss": F.cross_entropy(m(b[0]), b[1])},
+        log_options={k: LogOptions(on_step=True) for k in ("val_loss", "test_loss")},
+    )
+    logger = CSVLogger(tmp_path / "eg")
+    ours = eg.Trainer(max_epochs=2, log_every_n_steps=100, logger=logger, **QUIET)
+    state = ours.fit(task, task.init(_model()), data, val)
+    ours.test(task, state, val, verbose=False)
+    logger.finalize("success")
+
+    def rows(path):
+        with open(path) as f:
+            out = []
+            for r in csv.DictReader(f):
+                kept = {k: v for k, v in r.items() if v and k.startswith(("val", "test"))}
+                if kept:
+                    out.append((int(r["step"]), r.get("epoch"), kept))
+            return out
+
+    lightning, engine_rows = rows(theirs), rows(logger.metrics_file)
+    assert [(s, e, sorted(r)) for s, e, r in engine_rows] == [
+        (s, e, sorted(r)) for s, e, r in lightning
+    ]
+    assert [s for s, _, r in lightning if "val_loss_step" in r] == [0, 1, 2, 3, 4, 5]
+    for (_, _, a), (_, _, b) in zip(engine_rows, lightning, strict=True):
+        for k in b:
+            assert float(a[k]) == pytest.approx(float(b[k]), rel=1e-6), k

@@ -88,6 +88,8 @@ class Run:
             self.callbacks, self.loggers, config.default_root_dir, assembly.checkpoint_io
         )
         self.log_step: int | None = None  # the step an evaluation's rows are logged at
+        self.log_epoch: int | None = None  # ... and the epoch they carry
+        self._eval_seen: dict[tuple[str, int], int] = {}  # evaluation batches logged per step
         self.val_loaded_at: int | None = None  # the epoch the val loaders were last fetched
         self._resolved: tuple[Any, Any] | None = None  # ckpt_path resolved early
         self._sharded: list[Any] = []  # loaders this run sharded, put back when it ends
@@ -114,6 +116,7 @@ class Run:
         """The call's task and initial state; the listeners that run on this rank."""
         self.task, self.state = task, state
         self.log_step = None if self.stage == "fit" else state.step
+        self.log_epoch = None if self.stage == "fit" else state.epoch
         self.progress = self.progress._replace(should_stop=False)
         self.ckpt_path = None  # set by restore when this run resumes from a checkpoint
         # listeners whose work is a side effect of one process (the bar, the summary, the
@@ -465,14 +468,25 @@ class Run:
             return
         if step is None:
             step = self._row_step()
-        if run_row:
-            row.setdefault("epoch", self.current_epoch)
+        if run_row:  # validate/test/predict from a checkpoint: the state given's epoch, as
+            # the step (Lightning's is its fit loop's: after a fit, the fit's, not the best's)
+            row.setdefault(
+                "epoch", self.current_epoch if self.log_epoch is None else self.log_epoch
+            )
         if self.is_global_zero:  # one rank writes the run's logs
             for lg in self.loggers:
                 lg.log_metrics(row, step)
         self.logged_metrics.update(row)
         self.callback_metrics.update(metrics)
         self._version += 1
+
+    def eval_batches_seen(self, kind: str, dataloader_idx: int) -> int:
+        """How many batches of this evaluation loader (``kind``: validation or test) had step
+        values logged before this one in the call: the step of its step rows, Lightning's."""
+        key = (kind, dataloader_idx)
+        seen = self._eval_seen.get(key, 0)
+        self._eval_seen[key] = seen + 1
+        return seen
 
     def _row_step(self) -> int:
         """The step a row of the run's own is logged at: Lightning's (its loop's

@@ -59,6 +59,13 @@ class EvalServices(_Services):
         self.run.log_metrics(metrics)
         self.run.show(metrics)
 
+    def log_step(self, kind: str, dataloader_idx: int, metrics: dict[str, float]) -> None:
+        # Lightning logs an evaluation batch's step values at the count of that loader's
+        # batches its loop has evaluated so far (a fit's validations count on across epochs),
+        # and with no epoch (Lightning adds it only to rows logged at its own step)
+        self.run.log_row(metrics, self.run.eval_batches_seen(kind, dataloader_idx), run_row=False)
+        self.run.show(metrics)
+
 
 class FitServices(_Services):
     """The services to one fit loop (:class:`engine.loop.fit.FitServices`); its validations

@@ -23,7 +23,6 @@ from typing import Any, Protocol
 from engine.data import batch_size, lookahead
 from engine.events import Event
 from engine.loop.services import LoopServices
-from engine.metrics import metric_name
 from engine.plan.progress import Phase, Progress
 from engine.state import TrainState
 
@@ -50,6 +49,10 @@ class EvalServices(LoopServices, Protocol):
 
     def log(self, state: TrainState, progress: Progress, metrics: dict[str, float]) -> None:
         """An evaluation's results to the loggers and the progress bar."""
+        ...
+
+    def log_step(self, kind: str, dataloader_idx: int, metrics: dict[str, float]) -> None:
+        """One evaluation batch's step values (``LogOptions(on_step=True)``) to the loggers."""
         ...
 
 
@@ -98,6 +101,7 @@ def evaluate(
         ...     def reducer(self): return MetricReducer()
         ...     def compute(self, reducer): return reducer.compute()
         ...     def log(self, state, progress, metrics): pass
+        ...     def log_step(self, kind, dataloader_idx, metrics): pass
         >>> loaders = [[torch.ones(2), torch.zeros(2)]]
         >>> _, _, results = evaluate(
         ...     "validation", Services(), None, Progress(), loaders, [2], log=False)
@@ -111,6 +115,7 @@ def evaluate(
     results: list[dict[str, float]] = []
     for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
         reducer = run.reducer()
+        suffix = f"/dataloader_idx_{dl_idx}" if len(loaders) > 1 else ""
         for batch_idx, batch, _, _ in lookahead(loader, limit):
             batch = run.move(batch)
             state, progress = run.emit_batch(
@@ -123,6 +128,8 @@ def evaluate(
             )
             metrics = run.step(state, batch)
             reducer.update(metrics, batch_size(batch))
+            if log and (row := reducer.eval_step_logged(prefix, metrics)):
+                run.log_step(kind, dl_idx, {f"{k}{suffix}": v for k, v in row.items()})
             state, progress = run.emit_batch(
                 events["batch_end"],
                 state,
@@ -132,9 +139,9 @@ def evaluate(
                 batch_idx=batch_idx,
                 dataloader_idx=dl_idx,
             )
-        suffix = f"/dataloader_idx_{dl_idx}" if len(loaders) > 1 else ""
         computed = run.compute(reducer)
-        results.append({f"{metric_name(prefix, k)}{suffix}": v for k, v in computed.items()})
+        named = ((reducer.eval_epoch_name(prefix, k), v) for k, v in computed.items())
+        results.append({f"{name}{suffix}": v for name, v in named if name is not None})
     if log:
         run.log(state, progress, {k: v for r in results for k, v in r.items()})
     if progress.phase is Phase.VALIDATION:
