@@ -96,6 +96,8 @@ SCRIPT = textwrap.dedent(
     state = task.init(model, seed=0)
     out = trainer.fit(task, state, loader, val if args.get("validate") else None,
                       ckpt_path=args.get("ckpt_path"))
+    if args.get("test"):  # its results table: printed once, by rank 0
+        trainer.test(task, out.copy(), val)
     if trainer.is_global_zero:
         torch.save({"params": {k: v.clone() for k, v in out.params.items()}, "step": out.step,
                     "epoch": out.epoch, "world_size": trainer.world_size,
@@ -176,8 +178,10 @@ def test_ddp_under_torchrun_trains_as_one_process_on_the_whole_batch(tmp_path):
     _ok(
         _python(script, {**common, "devices": 1, "batch": 16, "root": str(one), "strategy": "auto"})
     )
-    proc = _torchrun(script, {**common, "devices": 2, "batch": 8, "root": str(two)}, real=True)
+    two_ranks = {**common, "devices": 2, "batch": 8, "root": str(two), "test": True}
+    proc = _torchrun(script, two_ranks, real=True)
     _ok(proc)
+    assert proc.stdout.count("test results") == 1, proc.stdout  # one table, not one a rank
     a, b = _final(one), _final(two)
     assert a["step"] == b["step"] == 10 and b["world_size"] == 2
     _close(b["params"], a["params"])

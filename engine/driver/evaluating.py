@@ -66,7 +66,7 @@ def evaluate(
             kind, EvalServices(run, step), run.state, run.progress, loaders, limits, log=True
         )
         run.hand_over(state, progress)
-    if verbose and not run.config.barebones:
+    if verbose and not run.config.barebones and run.is_global_zero:  # one table, not one a rank
         _print_results(stage, results)
     return results
 
