@@ -228,12 +228,16 @@ def test_validate_test_and_predict_a_checkpoint(project, fitted, tmp_path):
     done = engine("validate", *common, project=project)
     assert done.returncode == 0, done.stderr
     assert "val/loss" in done.stdout and "val/acc" in done.stdout
+    # the checkpoint's ModelCheckpoint saved elsewhere: news to a fit, not to an evaluation
+    assert "ModelCheckpoint" not in done.stderr, done.stderr
     done = engine("test", *common, project=project)
     assert done.returncode == 0, done.stderr
     assert "test/loss" in done.stdout and "test/acc" in done.stdout
+    assert "ModelCheckpoint" not in done.stderr, done.stderr
     out = tmp_path / "predictions.pt"
     done = engine("predict", *common, f"--predictions_path={out}", project=project)
     assert done.returncode == 0, done.stderr
+    assert "ModelCheckpoint" not in done.stderr, done.stderr
     assert "predict: 4 batches; the first batch's output: Tensor[8] int64" in done.stdout
     predictions = torch.load(out)
     assert len(predictions) == 4 and predictions[0].shape == (8,)

@@ -231,6 +231,7 @@ class ModelCheckpoint(Listener):
         self._last_time_checked: float | None = None
         self._defer_until_validation = False
         self._validated = False  # a validation has run in this fit: a missing monitor is an error
+        self._stage: str | None = None  # the call's stage (set at setup, before a restore)
         self._warned_missing = False
         # the saves asked for and not yet settled (written, or failed), by path, in order: what
         # each changed in the bookkeeping, to undo if it fails (checkpoint_settled)
@@ -257,6 +258,7 @@ class ModelCheckpoint(Listener):
 
     def setup(self, rec: EventRecord) -> None:
         """Resolve ``dirpath`` (before a checkpoint's state is restored)."""
+        self._stage = rec.stage
         if self.dirpath is None:
             root = rec.run.log_dir or rec.run.default_root_dir
             self.dirpath = os.path.join(root, "checkpoints")
@@ -731,7 +733,8 @@ class ModelCheckpoint(Listener):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s values. If the checkpoint was written for another
-        ``dirpath``, only ``best_model_path`` is restored (with a warning), as in Lightning."""
+        ``dirpath``, only ``best_model_path`` is restored (with a warning in a fit, as in
+        Lightning; validate, test and predict save nothing, so they say nothing)."""
         saved_dir = state.get("dirpath", self.dirpath)
         state, dropped = _confine.confined(state, saved_dir)
         if saved_dir == self.dirpath:
@@ -749,7 +752,7 @@ class ModelCheckpoint(Listener):
                 self._last_global_step_saved = int(state["last_global_step_saved"])
                 self._last_checkpoint_saved = str(state.get("last_checkpoint_saved", ""))
                 self._restored_last_saved = True
-        else:
+        elif self._stage in (None, "fit"):  # validate/test/predict rank nothing: no news
             warnings.warn(
                 f"ModelCheckpoint: the checkpoint was written with dirpath {saved_dir!r}, this "
                 f"listener saves to {self.dirpath!r}; only best_model_path is restored, the "
