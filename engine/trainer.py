@@ -205,43 +205,59 @@ class Trainer(RunViews):
 
     def validate(
         self,
-        task: Task,
-        state: TrainState,
+        task: Task | None = None,
+        state: TrainState | None = None,
         dataloaders: Any = None,
         ckpt_path: str | None = None,
         verbose: bool = True,
         datamodule: Any = None,
     ) -> list[dict[str, float]]:
-        """Run one validation epoch; returns one dict of metrics per dataloader."""
+        """Run one validation epoch; returns one dict of metrics per dataloader.
+
+        ``task`` and ``state`` may be left out after a fit of this Trainer, as Lightning's
+        ``trainer.validate(ckpt_path=...)`` without a model: the fit's task, and its final state
+        (the structure a ``ckpt_path`` is loaded into; with no ``ckpt_path`` and a
+        ``ModelCheckpoint`` that ranked checkpoints, its best one, with a warning).
+        """
+        task, state, ckpt_path = evaluating.inputs(self._run, "validate", task, state, ckpt_path)
         return self._launching(
             "validate", "validation", task, state, dataloaders, datamodule, ckpt_path, verbose
         )
 
     def test(
         self,
-        task: Task,
-        state: TrainState,
+        task: Task | None = None,
+        state: TrainState | None = None,
         dataloaders: Any = None,
         ckpt_path: str | None = None,
         verbose: bool = True,
         datamodule: Any = None,
     ) -> list[dict[str, float]]:
-        """Run one test epoch; returns one dict of metrics per dataloader."""
+        """Run one test epoch; returns one dict of metrics per dataloader.
+
+        ``task`` and ``state`` may be left out after a fit of this Trainer, as Lightning's
+        ``trainer.test(ckpt_path=...)`` without a model: the fit's task, and its final state
+        (the structure a ``ckpt_path`` is loaded into; with no ``ckpt_path`` and a
+        ``ModelCheckpoint`` that ranked checkpoints, its best one, with a warning).
+        """
+        task, state, ckpt_path = evaluating.inputs(self._run, "test", task, state, ckpt_path)
         return self._launching(
             "test", "test", task, state, dataloaders, datamodule, ckpt_path, verbose
         )
 
     def predict(
         self,
-        task: Task,
-        state: TrainState,
+        task: Task | None = None,
+        state: TrainState | None = None,
         dataloaders: Any = None,
         datamodule: Any = None,
         return_predictions: bool | None = None,
         ckpt_path: str | None = None,
     ) -> list[Any] | None:
         """Run prediction; returns the outputs (a list per dataloader when there are several:
-        under several processes, this rank's shard's)."""
+        under several processes, this rank's shard's). ``task`` and ``state`` may be left out
+        after a fit, as in :meth:`test`."""
+        task, state, ckpt_path = evaluating.inputs(self._run, "predict", task, state, ckpt_path)
         return self._launching(
             "predict", task, state, dataloaders, datamodule, return_predictions, ckpt_path
         )

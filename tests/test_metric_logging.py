@@ -469,3 +469,32 @@ def test_on_step_in_validation_and_test_logs_lightnings_rows(tmp_path):
     for (_, _, a), (_, _, b) in zip(engine_rows, lightning, strict=True):
         for k in b:
             assert float(a[k]) == pytest.approx(float(b[k]), rel=1e-6), k
+
+
+def test_test_and_predict_after_a_fit_need_no_task_or_state(tmp_path):
+    """As Lightning's ``trainer.test(ckpt_path="best")`` without a model: the fit's task and
+    final state (the structure the checkpoint is loaded into); with no checkpoint named, the
+    best one, with a warning; a Trainer that has not fit says what to pass."""
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/loss", mode="max")
+    task = eg.Task(
+        lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+        optim.sgd(0.5),
+        predict_fn=lambda m, b: m(b[0]),
+    )
+    trainer = eg.Trainer(max_epochs=4, logger=False, callbacks=[saver], **QUIET)
+    final = trainer.fit(task, task.init(_model()), _data(), _data(2))
+    explicit = trainer.test(task, final.copy(), _data(2), ckpt_path="best", verbose=False)
+    assert trainer.test(dataloaders=_data(2), ckpt_path="best", verbose=False) == explicit
+    with pytest.warns(UserWarning, match="the best checkpoint of that fit is used"):
+        assert trainer.test(dataloaders=_data(2), verbose=False) == explicit
+    out = trainer.predict(dataloaders=_data(1), ckpt_path="best")
+    best = eg.checkpoint.load(saver.best_model_path, final.copy())
+    expected = trainer.predict(task, best, _data(1))
+    assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+    assert final.step == 16  # the template's values were not touched: it gave the structure
+
+    fresh = eg.Trainer(logger=False, **QUIET)
+    with pytest.raises(ValueError, match=r"a checkpoint holds values, not the model's structure"):
+        fresh.test(task, dataloaders=_data(2), ckpt_path=saver.best_model_path)
+    with pytest.raises(ValueError, match=r"Trainer.predict\(\) needs the task"):
+        fresh.predict(dataloaders=_data(1))

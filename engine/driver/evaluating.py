@@ -15,7 +15,59 @@ from engine.loop import evaluate as eval_loops
 from engine.state import TrainState
 from engine.task import Task
 
-__all__ = ["evaluate", "predict"]
+__all__ = ["evaluate", "inputs", "predict"]
+
+
+def inputs(
+    previous: Run, stage: str, task: Task | None, state: TrainState | None, ckpt_path: Any
+) -> tuple[Task, TrainState, Any]:
+    """The task, state and checkpoint a ``validate`` / ``test`` / ``predict`` call runs with,
+    where it left them out, as Lightning's ``trainer.test(ckpt_path=...)`` without a model:
+    the task and state of this Trainer's last fit (the state, when a checkpoint is named,
+    gives only the structure); with neither a state nor a checkpoint after a fit with a
+    ``ModelCheckpoint`` that ranked one, its best checkpoint, with a warning, as Lightning.
+
+    Raises:
+        ValueError: nothing to run with: no task or state given and no fit in this Trainer.
+    """
+    fitted = previous.fitted
+    if task is None:
+        if fitted is None:
+            raise ValueError(
+                f"Trainer.{stage}() needs the task (its evaluation functions): pass "
+                f"trainer.{stage}(task, state, ...); only after a fit does this Trainer know one"
+            )
+        task = fitted[0]
+    if state is None:
+        if fitted is None:
+            raise ValueError(
+                f"Trainer.{stage}(task, state=None, ckpt_path={ckpt_path!r}): a checkpoint holds "
+                "values, not the model's structure; pass a state to load it into "
+                f"(task.init(model)), as Lightning's trainer.{stage}(model, ckpt_path=...) "
+                "takes the model, or call it after a fit of this Trainer"
+            )
+        state = fitted[1]
+        if ckpt_path is None:
+            best = next(
+                (
+                    x.best_model_path
+                    for x in previous.callbacks
+                    if getattr(x, "best_model_path", None) and getattr(x, "monitor", None)
+                ),
+                None,
+            )
+            if best:
+                import warnings
+
+                warnings.warn(
+                    f"Trainer.{stage}() without a state or a ckpt_path after a fit: the best "
+                    f"checkpoint of that fit is used ({best}), as Lightning does; pass "
+                    "ckpt_path='best', 'last' or a path to choose (and silence this)",
+                    UserWarning,
+                    stacklevel=4,
+                )
+                ckpt_path = "best"
+    return task, state, ckpt_path
 
 
 def _loaders(

@@ -84,6 +84,7 @@ def fit(
     if state._ownership.consumed_by == "train_step":
         state._ownership.consumed_by = "Trainer.fit"  # its error says what to use instead
     assert run.state is not None
+    run.fit_ended()
     if run.signals.came:  # after the last epoch's end: nothing to stop
         run.signals.report_late(run.global_step, run.current_epoch)
     return run.state

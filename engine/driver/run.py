@@ -71,6 +71,9 @@ class Run:
         # what Lightning's Trainer keeps from one call to the next
         self.task: Any = p.task if p else None
         self.state: TrainState | None = p.state if p else None
+        #: the task and final state of this Trainer's last fit (validate/test/predict called
+        #: without them use these, as Lightning's use the fitted model)
+        self.fitted: tuple[Any, TrainState] | None = p.fitted if p else None
         self.progress: Progress = p.progress if p else Progress()
         self.callback_metrics: dict[str, float] = p.callback_metrics if p else {}
         self.logged_metrics: dict[str, float] = p.logged_metrics if p else {}
@@ -306,6 +309,11 @@ class Run:
         self.state, self.progress = state, progress
         self.announce_batch(event, **fields)
         return self.state, self.progress
+
+    def fit_ended(self) -> None:
+        """Record the fit's task and final state: the later calls' defaults."""
+        assert self.state is not None
+        self.fitted = (self.task, self.state)
 
     def hand_over(self, state: TrainState, progress: Progress | None = None) -> None:
         """Record the loop's current values (what a step's own events and a save read)."""
