@@ -22,7 +22,7 @@ import difflib
 import enum
 import numbers
 import os
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -253,6 +253,9 @@ class EventRecord:
         dataloader_idx: which evaluation or prediction dataloader, for those events.
         outputs: the step's metrics (tensors) for ``*_batch_end``; predictions for predict.
         batch: the batch, for batch events.
+        batch_indices: for prediction batch events, the dataset indices of the batch's samples
+            (this rank's, under several processes), as Lightning's ``batch_indices``; ``None``
+            where the loader has none (not a ``DataLoader`` with a batch sampler).
         exception: the exception, for ``on_exception``.
         loss: for ``on_before_backward``, the micro-batch's loss (a tensor, before any loss
             scale or accumulation divisor).
@@ -281,6 +284,7 @@ class EventRecord:
     dataloader_idx: int = 0
     outputs: Any = None
     batch: Any = None
+    batch_indices: Sequence[int] | None = None
     exception: BaseException | None = None
     loss: Any = None
     grads: Mapping[str, Any] | None = None

@@ -62,6 +62,12 @@ class _Services:
     def log(self, state, progress, metrics):
         self.logged.append(metrics)
 
+    def log_step(self, kind, dataloader_idx, metrics):
+        self.logged.append(metrics)
+
+    def batch_indices(self, dataloader_idx):
+        return None
+
 
 def test_evaluate_names_reduces_and_logs_per_loader_through_its_services():
     run = _Services(stop_at=(1, 0), scale=10.0)

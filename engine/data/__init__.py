@@ -16,7 +16,9 @@ The package, bottom up (each module imports only those above it in this list):
 * ``_batch_keys``: per-batch randomness, :func:`seed_batches` and its dataset and worker hooks,
   :func:`randomness_outside_the_state`;
 * ``_position``: :func:`position_loader` (the skip of a resumed epoch's first batches) and
-  :func:`restore_loader`.
+  :func:`restore_loader`;
+* ``_indices``: :func:`record_batch_indices` (each batch's dataset indices, for prediction
+  writers) and :func:`stop_recording`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from engine.data._batch_keys import randomness_outside_the_state, seed_batches
+from engine.data._indices import record_batch_indices, stop_recording
 from engine.data._position import position_loader, restore_loader
 from engine.data._seeding import (
     SampleKey,
@@ -63,6 +66,8 @@ from engine.data._sharding import _Shard as _Shard
 from engine.data._sharding import _ShardBatches as _ShardBatches
 
 __all__ = [
+    "record_batch_indices",
+    "stop_recording",
     "SampleKey",
     "SeededDataset",
     "ShuffleSampler",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine import data
 from engine.data import is_datamodule, resolve_loaders, setup_datamodule
 from engine.driver.context import running
 from engine.driver.restore import datamodule_first
@@ -146,9 +147,15 @@ def predict(
             task.predict_step(transforms=run.pipeline, inference_mode=run.config.inference_mode),
         )
         assert run.state is not None  # placed by running
-        state, progress, outputs = eval_loops.predict(
-            EvalServices(run, step), run.state, run.progress, loaders, limits, keep=keep
-        )
+        indices = [data.record_batch_indices(dl) for dl in loaders]  # for prediction writers
+        try:
+            services = EvalServices(run, step, indices)
+            state, progress, outputs = eval_loops.predict(
+                services, run.state, run.progress, loaders, limits, keep=keep
+            )
+        finally:
+            for dl in loaders:
+                data.stop_recording(dl)
         run.hand_over(state, progress)
     if not keep:
         return None

@@ -8,7 +8,7 @@ keeps a copy of the state or the progress.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -39,9 +39,13 @@ class EvalServices(_Services):
     """The services to one evaluation loop (:class:`engine.loop.evaluate.EvalServices`),
     around its evaluation or prediction ``step``."""
 
-    def __init__(self, run: Run, step: Any) -> None:
+    def __init__(self, run: Run, step: Any, indices: Sequence[Any] = ()) -> None:
         super().__init__(run)
         self._step = step
+        self._indices = indices  # per prediction loader: its next batch's dataset indices
+
+    def batch_indices(self, dataloader_idx: int) -> Any:
+        return self._indices[dataloader_idx]() if self._indices else None
 
     def step(self, state: TrainState, batch: Any) -> Any:
         return self._step(state, batch)

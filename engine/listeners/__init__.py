@@ -42,12 +42,14 @@ from engine.listeners.finetuning import (
 from engine.listeners.journal import Journal
 from engine.listeners.lr_monitor import LearningRateMonitor
 from engine.listeners.lr_schedule import LearningRateSchedule, ReduceLROnPlateau
+from engine.listeners.prediction_writer import BasePredictionWriter
 from engine.listeners.progress import ProgressBar
 from engine.listeners.summary import ModelSummary, summarize
 from engine.listeners.timer import Timer, parse_duration
 
 __all__ = [
     "BackboneFinetuning",
+    "BasePredictionWriter",
     "EMAWeightAveraging",
     "EarlyStopping",
     "EarlyStoppingReason",

@@ -55,6 +55,11 @@ class EvalServices(LoopServices, Protocol):
         """One evaluation batch's step values (``LogOptions(on_step=True)``) to the loggers."""
         ...
 
+    def batch_indices(self, dataloader_idx: int) -> Any:
+        """The dataset indices of the prediction batch just received from that loader (or
+        ``None``); called once per batch, in order."""
+        ...
+
 
 _EVENTS = {
     kind: {
@@ -190,6 +195,7 @@ def predict(
         ...     emit_batch = emit
         ...     def move(self, batch): return batch
         ...     def step(self, state, batch): return batch * 2
+        ...     def batch_indices(self, dataloader_idx): return None
         >>> loaders = [[torch.ones(1), torch.zeros(1)]]
         >>> _, _, outputs = predict(Services(), None, Progress(), loaders, [2], keep=True)
         >>> outputs
@@ -201,6 +207,7 @@ def predict(
     for dl_idx, (loader, limit) in enumerate(zip(loaders, limits, strict=True)):
         outs: list[Any] = []
         for batch_idx, batch, _, _ in lookahead(loader, limit):
+            indices = run.batch_indices(dl_idx)
             batch = run.move(batch)
             state, progress = run.emit_batch(
                 Event.ON_PREDICT_BATCH_START,
@@ -209,6 +216,7 @@ def predict(
                 batch=batch,
                 batch_idx=batch_idx,
                 dataloader_idx=dl_idx,
+                batch_indices=indices,
             )
             out = run.step(state, batch)
             if keep:
@@ -221,6 +229,7 @@ def predict(
                 batch=batch,
                 batch_idx=batch_idx,
                 dataloader_idx=dl_idx,
+                batch_indices=indices,
             )
         outputs.append(outs)
     state, progress = run.emit(Event.ON_PREDICT_EPOCH_END, state, progress)
