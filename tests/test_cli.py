@@ -401,3 +401,80 @@ def test_a_missing_checkpoint_exits_2_with_one_error_line(project, tmp_path):
         "fit", "--config", "cfg.yaml", f"--ckpt_path={tmp_path / 'nope'}", project=project
     )
     _failed_cleanly(done, "ckpt_path", "does not exist")
+
+
+def test_ckpt_path_best_in_a_new_process_finds_the_fits_best_from_disk(project, tmp_path):
+    """``engine test --ckpt_path best`` after ``engine fit``: this process's ModelCheckpoint has
+    ranked nothing, so the run's best comes from what its newest checkpoint records; with no
+    checkpoints there, the error says where it looked."""
+    root = tmp_path / "run"
+    monitored = [
+        "--trainer.callbacks=engine.listeners.ModelCheckpoint",
+        "--trainer.callbacks.monitor=val/loss",
+        "--trainer.callbacks.save_top_k=2",
+    ]
+    common = ["--config", "cfg.yaml", f"--trainer.default_root_dir={root}", *monitored]
+    done = engine("fit", *common, "--trainer.max_epochs=3", project=project)
+    assert done.returncode == 0, done.stderr
+    best = [ln for ln in done.stdout.splitlines() if ln.startswith("best checkpoint: ")]
+    assert best, done.stdout
+    expected = best[0].split(": ", 1)[1]
+    done = engine("test", *common, "--ckpt_path=best", project=project)
+    assert done.returncode == 0, done.stderr
+    assert "test/loss" in done.stdout
+    # the same numbers as naming the best checkpoint's path
+    named = engine("test", *common, f"--ckpt_path={expected}", project=project)
+    assert named.returncode == 0, named.stderr
+    assert [x for x in done.stdout.splitlines() if "test/" in x] == [
+        x for x in named.stdout.splitlines() if "test/" in x
+    ]
+    empty = engine(
+        "test",
+        "--config",
+        "cfg.yaml",
+        f"--trainer.default_root_dir={tmp_path / 'none'}",
+        "--ckpt_path=best",
+        project=project,
+    )
+    _failed_cleanly(empty, "ckpt_path", "no checkpoint is on disk in")
+
+
+_SCRIPT = """
+import sys
+import torch
+from engine.cli import build
+
+cli = build()
+state = cli.trainer.fit(cli.task, cli.state, datamodule=cli.datamodule)
+(results,) = cli.trainer.test(datamodule=cli.datamodule, ckpt_path="best", verbose=False)
+outputs = cli.trainer.predict(datamodule=cli.datamodule, ckpt_path="best")
+print("SCRIPT", state.step, sorted(results), len(outputs), cli.seed, flush=True)
+"""
+
+
+def test_a_script_builds_from_the_config_and_calls_fit_test_and_predict(project, tmp_path):
+    """LightningCLI's run=False: engine.cli.build parses the command's arguments, the script
+    calls fit, then test and predict of the best checkpoint; a bad key is the command's one
+    error line and status 2."""
+    script = project / "train_script.py"
+    script.write_text(_SCRIPT)
+    args = [
+        "--config",
+        "cfg.yaml",
+        "--trainer.max_epochs=2",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks=engine.listeners.ModelCheckpoint",
+        "--trainer.callbacks.monitor=val/loss",
+    ]
+    cmd = [sys.executable, str(script), *args]
+    done = _procs.run(
+        cmd, capture_output=True, text=True, env=_env(project), cwd=project, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("SCRIPT")]
+    assert line == "SCRIPT 8 ['test/acc', 'test/loss'] 4 3", line
+    bad = [sys.executable, str(script), "--config", "cfg.yaml", "--trainer.max_epoch=2"]
+    done = _procs.run(
+        bad, capture_output=True, text=True, env=_env(project), cwd=project, timeout=300
+    )
+    _failed_cleanly(done, "max_epoch")

@@ -4,7 +4,8 @@
 The package, one module per command, :func:`main` here dispatching to them:
 
 - ``_stages``: ``fit`` / ``validate`` / ``test`` / ``predict``, a run described by config files
-  (jsonargparse, as LightningCLI parses its own).
+  (jsonargparse, as LightningCLI parses its own), and :func:`build`, which builds the same
+  pieces for a script to call (LightningCLI's ``run=False``).
 - ``_checks``: what the command checks so that a bad value is answered with one ``error:`` line
   (the config's YAML bounds, values jsonargparse lets through, which exceptions are refusals).
 - ``_inspect``: ``inspect CKPT``.
@@ -22,9 +23,9 @@ from pathlib import Path
 from engine.cli._checks import _fail
 from engine.cli._inspect import _inspect
 from engine.cli._replay import _replay
-from engine.cli._stages import STAGES
+from engine.cli._stages import STAGES, Built, build
 
-__all__ = ["main"]
+__all__ = ["Built", "build", "main"]
 
 
 def _demo(argv: list[str]) -> int:

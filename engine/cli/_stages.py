@@ -15,13 +15,14 @@ import random
 import sys
 from typing import Any, Protocol, Union
 
+import attrs
 import torch
 from torch import nn
 
 from engine.cli import _checks as checks
 from engine.errors import CheckpointError
 
-__all__ = ["STAGES", "build_parser", "run"]
+__all__ = ["STAGES", "Built", "build", "build_parser", "run"]
 
 STAGES = {
     "fit": "train a model described by config files (LightningCLI's fit)",
@@ -177,23 +178,50 @@ def _error(message: str) -> int:
     return 2
 
 
-def run(stage: str, argv: list[str]) -> int:
-    """Parse ``argv`` for ``engine STAGE``, build the pieces and run the stage; the exit status.
+@attrs.frozen
+class Built:
+    """What ``engine STAGE`` builds from its config files and overrides, before it runs
+    anything (LightningCLI's ``run=False``): see :func:`build`.
 
-    A bad key or value, a flag the Trainer refuses, or a refusal engine raises while the stage
-    runs (a flag that does not fit the data) exits 2 with one ``error:`` line. An exception
-    from the user's own code keeps its traceback.
+    Attributes:
+        trainer: the :class:`~engine.Trainer` of the config's ``trainer`` section.
+        model: the ``model`` section's module.
+        task: the ``task`` section's :class:`~engine.Task`.
+        state: ``task.init(model, seed=seed)``: the state a fit starts from.
+        datamodule: the ``data`` section's datamodule.
+        ckpt_path: ``--ckpt_path`` (``None`` when not given).
+        seed: ``seed_everything`` (the global generators were seeded with it before the model
+            was built).
+        config: the parsed config (jsonargparse's namespace), as ``--print_config`` shows it.
     """
+
+    trainer: Any
+    model: Any
+    task: Any
+    state: Any
+    datamodule: Any
+    ckpt_path: Any
+    seed: int
+    config: Any
+
+
+class _Refused(Exception):
+    """A bad key or value: ``run`` prints its one ``error:`` line and exits 2."""
+
+
+def _build(stage: str, argv: list[str]) -> tuple[Built, Any]:
+    """Parse ``argv`` for ``engine STAGE`` and build the pieces; raises :class:`_Refused`
+    with the one line to print for a bad key or value."""
     from engine.trainer import Trainer
 
     too_large = checks.check_config_files(argv)
     if too_large:
-        return _error(too_large)
+        raise _Refused(too_large)
     parser = build_parser(stage)
     try:
         cfg = parser.parse_args(argv)  # --print_config prints and exits 0 in here
     except argparse.ArgumentError as e:
-        return _error(f"{e} (engine {stage} --help lists the keys)")
+        raise _Refused(f"{e} (engine {stage} --help lists the keys)") from e
     trainer_cfg = cfg.trainer.as_dict() if hasattr(cfg.trainer, "as_dict") else dict(cfg.trainer)
     problem = (
         checks.check_seed(cfg.seed_everything)
@@ -201,7 +229,7 @@ def run(stage: str, argv: list[str]) -> int:
         or checks.check_root_dir(trainer_cfg.get("default_root_dir"))
     )
     if problem:
-        return _error(problem)
+        raise _Refused(problem)
     seed = int(cfg.seed_everything)
     seed_everything(seed)
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
@@ -210,25 +238,76 @@ def run(stage: str, argv: list[str]) -> int:
     except Exception as e:  # a listener or logger refusing its init_args, as jsonargparse says
         if not checks.refusal(e):
             raise
-        return _error(str(e))
+        raise _Refused(str(e)) from e
     flags = init.trainer.as_dict() if hasattr(init.trainer, "as_dict") else dict(init.trainer)
     try:
         trainer = Trainer(**flags)
     except (TypeError, ValueError) as e:
-        return _error(f"trainer: {e}")
+        raise _Refused(f"trainer: {e}") from e
     model, task, data, ckpt_path = init.model, init.task, init.data, init.ckpt_path
     needed = _LOADER[stage]
     if not callable(getattr(data, needed, None)):
-        return _error(
+        raise _Refused(
             f"data: {type(data).__module__}.{type(data).__qualname__} has no {needed}() "
             f"method, which engine {stage} reads its batches from; give data.class_path a "
             "class that has one"
         )
     if ckpt_path not in (None, "last", "best") and not os.path.exists(ckpt_path):
-        return _error(f"ckpt_path: {ckpt_path!r} does not exist")
+        raise _Refused(f"ckpt_path: {ckpt_path!r} does not exist")
     state = task.init(model, seed=seed)
+    return Built(trainer, model, task, state, data, ckpt_path, seed, cfg), init
+
+
+def build(argv: list[str] | None = None, *, stage: str = "fit") -> Built:
+    """Build the trainer, model, task, state and datamodule from config files and
+    ``--KEY=VALUE`` overrides as ``engine STAGE`` does, and run nothing: LightningCLI's
+    ``run=False``, for a script that then calls them (a fit, then a test and a prediction of
+    its best checkpoint, say). docs/cli.md shows such a script.
+
+    Args:
+        argv: the arguments (``sys.argv[1:]`` when ``None``): ``--config FILE``, overrides,
+            ``--ckpt_path``; ``--help`` and ``--print_config`` print and exit, as the command.
+        stage: whose keys to parse: ``"fit"`` (default), ``"validate"``, ``"test"`` or
+            ``"predict"`` (which adds ``--predictions_path``).
+
+    Raises:
+        SystemExit: status 2 after printing one ``error:`` line for a bad key or value (a
+            command-line tool's behaviour, as LightningCLI's parser's); 0 after ``--help``.
+        ValueError: for another ``stage``.
+
+    Example:
+        >>> from engine.cli import build
+        >>> build(["--trainer.max_epoch=3"])  # a misspelt key: one error line, status 2
+        Traceback (most recent call last):
+        ...
+        SystemExit: 2
+    """
+    if stage not in STAGES:
+        raise ValueError(f"build(stage={stage!r}): pass one of {', '.join(STAGES)}")
     try:
-        return _run_stage(stage, trainer, task, state, data, ckpt_path, init)
+        built, _ = _build(stage, sys.argv[1:] if argv is None else list(argv))
+    except _Refused as e:
+        _error(str(e))
+        raise SystemExit(2) from None
+    return built
+
+
+def run(stage: str, argv: list[str]) -> int:
+    """Parse ``argv`` for ``engine STAGE``, build the pieces and run the stage; the exit status.
+
+    A bad key or value, a flag the Trainer refuses, or a refusal engine raises while the stage
+    runs (a flag that does not fit the data) exits 2 with one ``error:`` line. An exception
+    from the user's own code keeps its traceback.
+    """
+    try:
+        built, init = _build(stage, argv)
+    except _Refused as e:
+        return _error(str(e))
+    ckpt_path = built.ckpt_path
+    try:
+        return _run_stage(
+            stage, built.trainer, built.task, built.state, built.datamodule, ckpt_path, init
+        )
     except CheckpointError as e:  # a damaged or mismatched checkpoint, a save that failed
         return _error(f"{'ckpt_path' if ckpt_path is not None else stage}: {e}")
     except Exception as e:  # engine refusing a flag that does not fit the data, say

@@ -25,8 +25,10 @@ from typing import Any, NamedTuple
 
 from engine import checkpoint
 from engine.checkpoint import _opt_fit
+from engine.driver import _best
 from engine.events import Save
 from engine.metrics import MetricReducer
+from engine.parallel import elastic
 from engine.parallel.positions import gather_to_rank_zero
 from engine.plan.config import LoopConfig
 from engine.plan.progress import Progress
@@ -275,12 +277,10 @@ class Checkpointer:
         savers = [x for x in self.listeners if _is(x, "ModelCheckpoint")]
         if ckpt_path == "best":
             best = next((x.best_model_path for x in savers if x.best_model_path), None)
-            if not best:
-                raise ValueError(
-                    'ckpt_path="best": no best checkpoint is known; give a ModelCheckpoint with '
-                    "a monitor, or pass a path"
-                )
-            return Path(best)
+            if best:
+                return Path(best)
+            # ranked nothing in this process (a new one): the run's best, from its checkpoints
+            return _best.best_on_disk(_best.search_roots(savers, self.root, self.loggers))
         roots = [Path(x.dirpath) for x in savers if getattr(x, "dirpath", None)]
         roots.append(Path(self.root) / "checkpoints")
         found, unreadable = [], []
@@ -305,7 +305,7 @@ class Checkpointer:
         ranked = []
         for path in found:
             try:
-                ranked.append((_recency(path), path))
+                ranked.append((_best.recency(path), path))
             except (checkpoint.CheckpointError, OSError) as e:  # its step is unknown: unranked
                 unreadable.append(f"{path} ({e})")
         newest = [path for _, path in sorted(ranked, key=lambda x: x[0], reverse=True)]
@@ -328,11 +328,11 @@ class Checkpointer:
             )
         if chosen is None:
             searched = ", ".join(str(r) for r in dict.fromkeys(roots))
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            restart = elastic.attempt() or 0  # the attempt every node agreed on
             again = (
                 f"THIS IS RESTART {restart} OF TORCHRUN'S RUN "
-                f"{os.environ.get('TORCHELASTIC_RUN_ID')!r} AND IT STARTS FROM STEP 0: "
-                if restart.isdigit() and int(restart) > 0
+                f"{elastic.run_id()!r} AND IT STARTS FROM STEP 0: "
+                if restart > 0
                 else ""
             )
             warnings.warn(
@@ -541,15 +541,6 @@ def _settle(listener: Any, path: Any, error: BaseException | None) -> None:
     settled = getattr(listener, "checkpoint_settled", None)
     if callable(settled):
         settled(os.fspath(path), error)
-
-
-def _recency(path: Path) -> tuple[int, int, float]:
-    """Newest first: the step, then when the checkpoint says it was saved (nanoseconds: two
-    checkpoints of one step are milliseconds apart), then the directory's mtime. Raises
-    ``CheckpointError`` when its ``meta.json`` fails verification."""
-    meta = checkpoint.read_meta(path)
-    saved_ns = meta["extra"].get("trainer", {}).get("saved_at_ns", -1)
-    return meta["step"], saved_ns if isinstance(saved_ns, int) else -1, path.stat().st_mtime
 
 
 class _Landing(Future):
