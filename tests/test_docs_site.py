@@ -90,11 +90,25 @@ state = eg.TrainState.create(torch.nn.Linear(3, 1), optim.adamw(1e-3))
 eg.checkpoint.save(state, "step=000120")
 """,
     "cli.md": """
+import os, sys, tempfile, textwrap
 import torch.nn.functional as F
 import engine as eg
 from engine import optim
 def loss_fn(model, batch):
     return F.cross_entropy(model(batch[0]), batch[1])
+# the script block runs as `python train.py --config cfg.yaml ...` would: its arguments
+_where = tempfile.mkdtemp()
+sys.path.insert(0, _where)
+sys.path.insert(0, os.path.join(os.path.dirname(eg.__file__), "..", "tests"))
+import test_cli
+with open(os.path.join(_where, "cliproj.py"), "w") as f:
+    f.write(textwrap.dedent(test_cli._MODULE))
+with open(os.path.join(_where, "cfg.yaml"), "w") as f:
+    f.write(textwrap.dedent(test_cli._CONFIG))
+sys.argv = ["train.py", "--config", os.path.join(_where, "cfg.yaml"), "--trainer.max_epochs=2",
+            f"--trainer.default_root_dir={_where}",
+            "--trainer.callbacks=engine.listeners.ModelCheckpoint",
+            "--trainer.callbacks.monitor=val/loss"]
 """,
     "finetuning.md": """
 import torch.nn.functional as F
