@@ -101,7 +101,7 @@ class SphinxRoles(griffe.Extension):
                 except Exception:  # an alias to something outside the package (torch's)
                     continue
                 if resolved.is_class:
-                    for attr, sub in resolved.members.items():
+                    for attr in resolved.members:
                         if attr.startswith("_"):
                             continue
                         rendered.add(f"{identifier}.{attr}")
