@@ -211,3 +211,37 @@ def test_inspect_says_what_it_checked(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "checked         meta.json: its own checksum, format version and schema" in out
     assert "weights_only=True" in out and "all verify" in out
+
+
+def test_inspect_a_run_directory_lists_its_parts_and_sizes(tmp_path, capsys):
+    """``engine inspect RUN_DIR``: each file and checkpoint with its size and what it is, the
+    pickles described from their opcodes (nothing unpickled), the journal's starts and end."""
+    import json
+
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(
+        TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)),
+        batch_size=8,
+    )
+    task = eg.Task(lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+    trainer = eg.Trainer(
+        max_epochs=2,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(task, task.init(torch.nn.Linear(4, 1)), data)
+    run = trainer.run_dir
+    assert cli.main(["inspect", str(run)]) == 0
+    printed = capsys.readouterr().out
+    assert f"run directory   {run}" in printed
+    assert "fit started at step 0; last step 8; ended" in printed
+    assert "data.pkl" in printed and "torch.utils.data.dataloader.DataLoader" in printed
+    assert "holding tensors" in printed  # the TensorDataset's tensors are in it
+    assert "model.pkl" in printed and "torch.nn.modules.linear.Linear" in printed
+    assert cli.main(["inspect", str(run), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    names = {f["name"]: f for f in info["files"]}
+    assert names["data.pkl"]["bytes"] == (Path(run) / "data.pkl").stat().st_size
+    assert info["journal"]["starts"] == [0] and info["config"]["world_size"] == 1
+    assert info["bytes"] == sum(f["bytes"] for f in info["files"])

@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         help="train on scikit-learn's digits (examples/digits.py; engine demo --epochs 3)",
         add_help=False,
     )
-    p = sub.add_parser("inspect", help="show a checkpoint's counters, metrics and integrity")
-    p.add_argument("path", help="a checkpoint directory")
+    p = sub.add_parser(
+        "inspect",
+        help="show a checkpoint's counters, metrics and integrity, or what a run directory holds",
+    )
+    p.add_argument("path", help="a checkpoint directory, or a run directory (its journal.jsonl)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_inspect)
     p = sub.add_parser(

@@ -1,6 +1,7 @@
 """``engine inspect CKPT``: a checkpoint's counters, metrics, layout and integrity, printed (or
 one JSON object), and a file that is no engine checkpoint (a Lightning ``.ckpt``, a
-``torch.save`` file) named for what it is."""
+``torch.save`` file) named for what it is; ``engine inspect RUN_DIR``: what a run directory
+holds (``_run_dir``)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,22 @@ def _not_a_checkpoint_dir(path: Path) -> str | None:
 
 def _inspect(args: argparse.Namespace) -> int:
     path = Path(args.path)
+    if (
+        path.is_dir()
+        and (path / "journal.jsonl").is_file()
+        and not (path / checkpoint.META).exists()
+    ):
+        from engine.cli._run_dir import inspect_run_dir, print_run_dir
+
+        try:
+            info = inspect_run_dir(path)
+        except OSError as e:
+            return _fail(f"{path} cannot be read: {e.strerror or e}")
+        if args.json:
+            print(json.dumps(info, indent=2, sort_keys=True))
+        else:
+            print_run_dir(info)
+        return 0
     try:
         refused = _not_a_checkpoint_dir(path)
         if refused is not None:
