@@ -167,6 +167,16 @@ def test_finalize_sets_the_runs_status(tmp_path, status, expected):
         mlf.finalize("done")
 
 
+def test_a_store_failing_at_the_end_of_a_failed_run_warns_instead_of_hiding_its_error(tmp_path):
+    mlf = MLFlowLogger("exp", tracking_uri=_uri(tmp_path))
+    mlf.log_metrics({"loss": 1.0}, step=0)
+    shutil.rmtree(tmp_path / "mlruns" / mlf.experiment_id / mlf.run_id)  # the run is gone
+    with pytest.warns(UserWarning, match=r"could not end run .* as FAILED .* its own error"):
+        mlf.finalize("failed")
+    with pytest.raises(mlflow.exceptions.MlflowException):
+        mlf.finalize("success")
+
+
 def test_metric_names_values_prefix_and_equal_values_at_one_step(tmp_path):
     import torch
 

@@ -357,7 +357,10 @@ class MLFlowLogger:
     def finalize(self, status: str = "success") -> None:
         """End the run: log the checkpoints kept for ``log_model=True`` (after a successful
         fit), wait for what is in flight and set the run's status: ``FINISHED``
-        (``"success"``), ``FAILED`` (``"failed"``) or ``KILLED`` (``"interrupted"``)."""
+        (``"success"``), ``FAILED`` (``"failed"``) or ``KILLED`` (``"interrupted"``).
+
+        After a run that failed or was interrupted, an error of MLflow's here (the server
+        gone, the store full) is a warning: the run's own error is the one raised."""
         state = _STATUS.get(status)
         if state is None:
             raise ValueError(
@@ -365,11 +368,20 @@ class MLFlowLogger:
             )
         if not self._initialized or global_rank() != 0:
             return
-        if status == "success":
-            for listener in self._checkpoint_listeners.values():
-                self._log_checkpoints(listener)
-        self.save()
-        self._client.set_terminated(self._run_id, state)
+        try:
+            if status == "success":
+                for listener in self._checkpoint_listeners.values():
+                    self._log_checkpoints(listener)
+            self.save()
+            self._client.set_terminated(self._run_id, state)
+        except Exception as e:
+            if status == "success":
+                raise
+            warnings.warn(
+                f"MLFlowLogger: could not end run {self._run_id} as {state} ({type(e).__name__}: "
+                f"{e}) at the end of a {status} run: its own error follows",
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------ checkpoints
 
