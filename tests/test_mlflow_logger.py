@@ -209,6 +209,31 @@ def test_hyperparameters_in_batches_and_long_values_cut(tmp_path):
     assert params["long"] == "x" * MAX_PARAM_VAL_LENGTH
 
 
+def test_asynchronous_logging_is_waited_for_at_a_checkpoint(tmp_path):
+    mlf = MLFlowLogger("exp", tracking_uri=_uri(tmp_path), synchronous=False)
+    mlf.log_hyperparams({"lr": 0.1})
+    for step in range(50):
+        mlf.log_metrics({"loss": float(step)}, step)
+    state = mlf.state_dict()  # what a checkpoint records is in the store
+    client = MlflowClient(_uri(tmp_path))
+    history = client.get_metric_history(state["run_id"], "loss")
+    # every value; MLflow's writer threads may store them out of order: the timestamps say it
+    assert [m.step for m in sorted(history, key=lambda m: m.timestamp)] == list(range(50))
+    assert client.get_run(state["run_id"]).data.params == {"lr": "0.1"}
+    mlf.finalize("success")
+
+
+def test_a_pickled_logger_continues_its_run(tmp_path):
+    import pickle
+
+    mlf = MLFlowLogger("exp", tracking_uri=_uri(tmp_path))
+    mlf.log_metrics({"loss": 1.0}, 0)
+    copy = pickle.loads(pickle.dumps(mlf))  # what a spawned process gets
+    copy.log_metrics({"loss": 0.5}, 1)
+    assert copy.run_id == mlf.run_id
+    assert _histories(mlf.experiment, mlf.run_id) == {"loss": [(0, 1.0), (1, 0.5)]}
+
+
 def test_an_existing_run_id_is_logged_to_and_experiments_are_found_by_name(tmp_path):
     first = MLFlowLogger("exp", tracking_uri=_uri(tmp_path))
     first.log_metrics({"loss": 1.0}, step=0)

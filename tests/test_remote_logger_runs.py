@@ -108,7 +108,9 @@ def _run_env(home: Path) -> dict[str, str]:
         WANDB_CONFIG_DIR=str(home / "config"),
         WANDB_ERROR_REPORTING="false",
     )
-    for var in ("MLFLOW_TRACKING_URI", "WANDB_PROJECT", "WANDB_RUN_ID"):
+    # WANDB_SERVICE: this process's wandb-core, once a test here started one; a script that
+    # inherits it logs through that service, which still holds a killed script's run "in use"
+    for var in ("MLFLOW_TRACKING_URI", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_SERVICE"):
         env.pop(var, None)
     return env
 

@@ -202,6 +202,21 @@ def test_watch_logs_parameter_histograms_but_not_gradients(tmp_path):
     assert len(weights) >= 3 and weights[0] != weights[-1]  # the trained values, step by step
 
 
+def test_a_pickled_logger_starts_the_same_run_again(tmp_path):
+    import pickle
+
+    lg = WandbLogger(project="p", save_dir=tmp_path, offline=True, **QUIET)
+    lg.log_metrics({"loss": 1.0}, 0)
+    copy = pickle.loads(pickle.dumps(lg))  # what a spawned process gets: no run object
+    assert copy._experiment is None and copy.version == lg.version
+    lg.experiment.finish()
+    copy.log_metrics({"loss": 0.5}, 1)
+    copy.experiment.finish()
+    (run,) = of(records(tmp_path, -1), "run")
+    assert run["run_id"] == lg.version and run["resume"] is True
+    assert rows(records(tmp_path, -1)) == [{"loss": 0.5, "trainer/global_step": 1}]
+
+
 def test_a_run_in_progress_is_used_and_one_given_is_logged_to(tmp_path):
     mine = wandb.init(project="mine", dir=str(tmp_path), mode="offline", **QUIET)
     with pytest.warns(UserWarning, match="a W&B run is already in progress"):

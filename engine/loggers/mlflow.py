@@ -92,8 +92,9 @@ class MLFlowLogger:
         artifact_location: where the experiment's artifacts go when this logger creates it.
         run_id: an existing run to log to, instead of a new one.
         synchronous: ``False`` logs in the background (MLflow's asynchronous logging; waited
-            for at each checkpoint and at the end), ``True`` waits for each write; ``None``
-            follows MLflow (``MLFLOW_ENABLE_ASYNC_LOGGING``).
+            for at each checkpoint and at the end; values may reach the store out of order,
+            their timestamps keep it), ``True`` waits for each write; ``None`` follows MLflow
+            (``MLFLOW_ENABLE_ASYNC_LOGGING``).
 
     Raises:
         ModuleNotFoundError: if mlflow is not installed (``pip install 'engine[mlflow]'``).
