@@ -42,7 +42,14 @@ def claim(run: Run) -> None:
             if callable(getattr(lg, "claim", None)):
                 lg.claim()
     if run.world_size > 1:
-        versions = run.broadcast([getattr(lg, "version", None) for lg in run.loggers])
+        # only a logger that adopts a version is asked for one: reading an MLFlowLogger's
+        # starts its run (Lightning's property), which a resumed fit continues instead
+        versions = run.broadcast(
+            [
+                getattr(lg, "version", None) if callable(getattr(lg, "adopt", None)) else None
+                for lg in run.loggers
+            ]
+        )
         for lg, version in zip(run.loggers, versions, strict=True):
             adopt = getattr(lg, "adopt", None)
             if callable(adopt) and not zero:
