@@ -79,7 +79,8 @@ def test_lr_find_leaves_the_state_it_is_given_as_it_was():
 def test_lr_find_trains_at_each_grid_rate_on_the_trainers_flags():
     """The search's steps are those of a fit whose rate follows the grid: its losses are those
     of steps taken by hand at the grid's rates (the recorder's smoothing applied), under the
-    Trainer's accumulation."""
+    Trainer's accumulation (the stepping batch's loss divided by the window, as Lightning's
+    closure divides it)."""
     grid = lr_grid(**SEARCH)
     task = eg.Task(_loss, optim.sgd(0.1, momentum=0.9))
     state = task.init(_net())
@@ -91,7 +92,7 @@ def test_lr_find_trains_at_each_grid_rate_on_the_trainers_flags():
     for k in range(len(found.results["lr"])):
         for j in range(2):
             s, metrics = step(s, batches[(2 * k + j) % len(batches)])
-        avg = 0.98 * avg + (1 - 0.98) * metrics["loss"].item()
+        avg = 0.98 * avg + (1 - 0.98) * (metrics["loss"] / 2).item()  # Lightning's / window
         losses.append(avg / (1 - 0.98 ** (k + 2)))
     assert found.results["loss"] == losses
 
@@ -511,3 +512,30 @@ def test_lightnings_tuner_attribute_names_engines():
         trainer = eg.Trainer(**QUIET)
     with pytest.raises(AttributeError, match=r"engine.Tuner\(trainer\)"):
         trainer.tuner  # noqa: B018
+
+
+def test_a_resumed_fit_does_not_search_again(tmp_path):
+    """The checkpoint holds what the listeners found: resumed, the batch-size finder sets the
+    size it found on the new datamodule without a trial, the learning-rate finder leaves the
+    checkpoint's rate, and the fit goes on with both."""
+    sizes: list[int] = []
+    task = eg.Task(_failing_loss(40, sizes), optim.inject_hyperparams(optim.sgd)(lr=0.1))
+    flags = {**QUIET, "max_epochs": 1}
+    first = [eg.BatchSizeFinder(steps_per_trial=1), eg.LearningRateFinder(**_listener_search())]
+    trainer = eg.Trainer(**flags, callbacks=first)
+    state = trainer.fit(task, task.init(_net()), datamodule=_Data(n=1024))
+    # as in Lightning, the learning-rate search (listed second) ran at the size found
+    assert first[1].optimal_lr.results["lr"] == lr_grid(1e-4, 1.0, 20)
+    assert sizes[-(20 + 32) :] == [32] * (20 + 32)  # its 20 steps, then the fit's 32
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    found_lr = optim.get_hyperparams(state.opt_state)["lr"]
+    assert first[0].optimal_batch_size == 32 and found_lr != 0.1
+    sizes.clear()
+    again = [eg.BatchSizeFinder(steps_per_trial=1), eg.LearningRateFinder(**_listener_search())]
+    data = _Data(n=1024)
+    resumed = eg.Trainer(**{**flags, "max_epochs": 2}, callbacks=again).fit(
+        task, task.init(_net()), datamodule=data, ckpt_path=str(tmp_path / "ckpt")
+    )
+    assert again[0].optimal_batch_size == data.batch_size == 32 and again[1].optimal_lr is None
+    assert sizes == [32] * 32  # the second epoch alone: no trial ran
+    assert optim.get_hyperparams(resumed.opt_state)["lr"] == found_lr

@@ -104,9 +104,10 @@ def _failing(fail_above: int | None, sizes: list[int]):
 
 def _lightning_lr_find(kind: str, loader, tmp_path, **kw):
     module = _PLNet(kind)
+    flags = {k: kw.pop(k) for k in FLAGS if k in kw}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = pl.Trainer(**QUIET, accelerator="cpu", default_root_dir=tmp_path)
+        trainer = pl.Trainer(**QUIET, **flags, accelerator="cpu", default_root_dir=tmp_path)
         found = pl.tuner.Tuner(trainer).lr_find(module, train_dataloaders=loader, **kw)
     return found, module
 
@@ -114,7 +115,8 @@ def _lightning_lr_find(kind: str, loader, tmp_path, **kw):
 def _engine_lr_find(kind: str, loader, **kw):
     task = eg.Task(_loss, _engine_optimizer(kind, 0.1))
     state = task.init(_net())
-    trainer = eg.Trainer(**QUIET, enable_journal=False)
+    flags = {k: kw.pop(k) for k in FLAGS if k in kw}
+    trainer = eg.Trainer(**QUIET, **flags, enable_journal=False)
     return eg.Tuner(trainer).lr_find(task, state, loader, **kw), state
 
 
@@ -130,7 +132,10 @@ SEARCHES = {
     "linear": {"min_lr": 1e-3, "max_lr": 0.5, "num_training": 60, "mode": "linear"},
     "no-early-stop": {"min_lr": 1e-4, "max_lr": 10.0, "num_training": 80,
                       "early_stop_threshold": None},
+    "accumulating": {"min_lr": 1e-4, "max_lr": 1.0, "num_training": 30,
+                     "accumulate_grad_batches": 2},
 }  # fmt: skip
+FLAGS = ("accumulate_grad_batches",)  # the Trainer's, not the search's
 
 
 @pytest.mark.filterwarnings("ignore:no learning rate suggested")  # a window too short: None
@@ -141,6 +146,7 @@ def test_lr_find_matches_lightnings_grid_curve_stop_and_suggestion(kind, search,
     loader = DataLoader(_dataset(), batch_size=8)  # 8 batches: the search spans epochs
     theirs, module = _lightning_lr_find(kind, loader, tmp_path, **kw)
     ours, state = _engine_lr_find(kind, loader, **kw)
+    kw = {k: v for k, v in kw.items() if k not in FLAGS}
     # the grid, float for float; the curve, bitwise (NaN where it diverged to NaN)
     assert ours.results["lr"] == theirs.results["lr"]
     assert _same_floats(ours.results["loss"], theirs.results["loss"])

@@ -235,8 +235,9 @@ def _length(loader: Any) -> int | None:
         return None
 
 
-def _check(mode: Any, steps_per_trial: Any, init_val: Any, max_trials: Any, margin: Any,
-           max_val: Any) -> str:  # fmt: skip
+def _check(
+    mode: Any, steps_per_trial: Any, init_val: Any, max_trials: Any, margin: Any, max_val: Any
+) -> str:
     if not isinstance(mode, str) or mode.lower() not in SEARCH_MODES:
         raise ValueError(f"mode must be 'power' or 'binsearch' (got {mode!r})")
     for name, value in (

@@ -23,6 +23,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from engine.data import resolve_loaders
 from engine.events import EventRecord, Listener, Search, Stop, Transition, Trials
 from engine.optim.inject import InjectHyperparamsState, warm
 from engine.optim.replacing import with_learning_rate
@@ -111,6 +112,10 @@ class _RangeRecorder(Listener):
         if loss is None:  # nothing to read: kept out of the suggestion, as Lightning does
             self.losses.append(math.nan)
             return None
+        config = rec.run.config
+        accumulate = config.accumulate_grad_batches if config is not None else 1
+        if accumulate > 1:  # Lightning records its closure's loss, divided by the window
+            loss = loss / accumulate
         current = float(loss)  # one host sync a step, as Lightning's .item()
         # the loss with momentum, bias-corrected as Lightning corrects it (its global step
         # after the update: this step's count from 1 for a search from step 0)
@@ -409,9 +414,14 @@ class LearningRateFinder(Listener):
                 "listener.optimal_lr.suggestion(), or use engine.Tuner(trainer).lr_find(...), "
                 "which returns a task with the rate for any optimizer"
             )
-        return Search(functools.partial(self._search, task, state, run.train_dataloader))
+        return Search(
+            functools.partial(self._search, task, state, run.train_dataloader, run.datamodule)
+        )
 
-    def _search(self, task: Task, state: TrainState, loader: Any, trials: Trials) -> Any:
+    def _search(self, task: Task, state: TrainState, loader: Any, dm: Any, trials: Trials) -> Any:
+        if dm is not None:  # asked now, as Lightning's search asks: a BatchSizeFinder listed
+            # before this one has set the size the fit will train with
+            loader = resolve_loaders("fit", None, dm, "train_dataloader")[0]
         self.optimal_lr = found = lr_search(
             trials,
             task,
