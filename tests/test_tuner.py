@@ -367,14 +367,14 @@ def _failing_loss(fail_above: int, sizes: list[int]):
 def test_the_batch_size_finder_listener_fits_with_the_size_found():
     sizes: list[int] = []
     task = eg.Task(_failing_loss(40, sizes), optim.sgd(0.1))
-    data, finder = _Data(), eg.BatchSizeFinder(mode="binsearch", steps_per_trial=1)
+    data, finder = _Data(n=200), eg.BatchSizeFinder(steps_per_trial=1)
     state = eg.Trainer(**QUIET, max_epochs=1, callbacks=[finder]).fit(
         task, task.init(_net()), datamodule=data
     )
-    assert finder.optimal_batch_size == data.batch_size == int(40 * 0.95)  # 40, less 5%
-    fit_sizes = sizes[-state.step :]
-    assert state.step == -(-256 // 38) and fit_sizes == [38] * 6 + [256 - 6 * 38]
-    assert data.fetched[0] == 4 and data.fetched[-1] == 38  # fetched again after the search
+    assert finder.optimal_batch_size == data.batch_size == 32
+    assert sizes[: -state.step] == [2, 4, 8, 16, 32, 64]  # the trials, a step each
+    assert state.step == 7 and sizes[-state.step :] == [32] * 6 + [200 - 6 * 32]
+    assert data.fetched == [4, 2, 4, 8, 16, 32, 64, 32]  # the fit's, the trials', the fit's
 
 
 def test_the_batch_size_finder_needs_a_datamodule():

@@ -159,11 +159,13 @@ def binsearch_scaling(
 
     Example:
         >>> from engine.listeners.batch_size_finder import binsearch_scaling
+        >>> tried = []
         >>> def trial(size):
-        ...     if size > 40:
+        ...     tried.append(size)
+        ...     if size > 3:
         ...         raise RuntimeError("CUDA out of memory")
-        >>> binsearch_scaling(trial, init_val=2, margin=0.0)
-        40
+        >>> binsearch_scaling(trial, init_val=2, margin=0.0), tried   # 4 failed: bisected
+        (3, [2, 4, 3])
     """
     low, high, passed, size = 1, None, 0, init_val
     while size < max_val:
