@@ -6,10 +6,11 @@ and hook names, whose listeners (:mod:`engine.listeners`) and loggers (:mod:`eng
 react to events but cannot change the state: a listener reads a read-only view of the run and
 returns requests (:class:`Stop`, :class:`Save`, :class:`Log`) that the driver carries out.
 Checkpoints (:mod:`engine.checkpoint`) resume a run exactly, and :func:`replay` re-executes a
-journaled run and checks it bitwise. Research pieces: :mod:`engine.ensemble` trains E models
-(an ensemble, or a hyperparameter sweep) in one vmapped step; :func:`per_example_grads` and
-:mod:`engine.privacy` (DP-SGD as a step transform); :mod:`engine.meta` (MAML through the
-optimizers' differentiable form).
+journaled run and checks it bitwise. :class:`Tuner` searches a learning rate and a batch size
+as Lightning's tuner does, on copies of the state. Research pieces: :mod:`engine.ensemble`
+trains E models (an ensemble, or a hyperparameter sweep) in one vmapped step;
+:func:`per_example_grads` and :mod:`engine.privacy` (DP-SGD as a step transform);
+:mod:`engine.meta` (MAML through the optimizers' differentiable form).
 """
 
 from engine import (
@@ -23,6 +24,7 @@ from engine import (
     privacy,
     rng,
     transforms,
+    tuner,
 )
 from engine._version import __version__
 from engine.events import (
@@ -32,13 +34,16 @@ from engine.events import (
     Log,
     RunView,
     Save,
+    Search,
     Stop,
     Transition,
     on,
 )
 from engine.listeners import (
+    BatchSizeFinder,
     EarlyStopping,
     Journal,
+    LearningRateFinder,
     LearningRateMonitor,
     ModelCheckpoint,
     ModelSummary,
@@ -61,13 +66,16 @@ from engine.step import (
 )
 from engine.task import Task
 from engine.trainer import Trainer
+from engine.tuner import Tuner
 
 __all__ = [
     "CSVLogger",
     "ConsumedStateError",
     "Divergence",
     "EarlyStopping",
+    "BatchSizeFinder",
     "Journal",
+    "LearningRateFinder",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelSummary",
@@ -82,9 +90,11 @@ __all__ = [
     "Log",
     "RunView",
     "Save",
+    "Search",
     "Stop",
     "Task",
     "Trainer",
+    "Tuner",
     "UntrustedCodeError",
     "on",
     "EvalStep",
@@ -109,5 +119,6 @@ __all__ = [
     "rng",
     "transforms",
     "train_step",
+    "tuner",
     "LogOptions",
 ]

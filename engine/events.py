@@ -5,10 +5,10 @@ A listener is any object with methods named after the events it wants (``on_trai
 or a function registered with :func:`on` and an Ignite-style filter (``every=``, ``once=``, a
 predicate). Each receives one immutable :class:`EventRecord`, whose ``run`` is a read-only
 :class:`RunView` of the run, and may return requests: :class:`Stop`, :class:`Save`,
-:class:`Log`. **Listeners request, the driver acts**: the driver carries the requests out once
-the event has reached every listener, so no event fires inside another and a checkpoint holds
-every listener's state after the event. A listener cannot change the state, which is a frozen
-record anyway.
+:class:`Log`, :class:`Transition`, :class:`Search`. **Listeners request, the driver acts**: the
+driver carries the requests out once the event has reached every listener, so no event fires
+inside another and a checkpoint holds every listener's state after the event. A listener
+cannot change the state, which is a frozen record anyway.
 
 Example:
     >>> from engine.events import Event, on
@@ -24,7 +24,7 @@ import numbers
 import os
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import attrs
 
@@ -44,8 +44,10 @@ __all__ = [
     "Request",
     "RunView",
     "Save",
+    "Search",
     "Stop",
     "Transition",
+    "Trials",
     "check_listener",
     "on",
 ]
@@ -461,10 +463,68 @@ class Transition:
     name: str = ""
 
 
-Request = Stop | Save | Log | Transition
+class Trials(Protocol):
+    """What a :class:`Search` is given: trial fits on the run's flags (its precision, devices,
+    accumulation, clipping, limits), each in a run of its own with no loggers, no checkpoints
+    and no listeners but those it is given; the run asking is not touched."""
+
+    def fit(
+        self,
+        task: Task,
+        state: TrainState,
+        train_dataloader: Any,
+        *,
+        steps: int,
+        listeners: Sequence[Any] = (),
+    ) -> TrainState:
+        """Train ``state`` (consumed: give a copy) for at most ``steps`` optimizer steps on
+        ``train_dataloader``, without validation; returns the state it ends with. The
+        ``listeners`` hear the trial's events and may :class:`Stop` it."""
+        ...
+
+
+def _search_fn(instance: Any, attribute: Any, value: Any) -> None:
+    if not callable(value):
+        raise TypeError(f"Search(fn={value!r}): pass a function trials -> requests or None")
+
+
+@attrs.frozen
+class Search:
+    """A listener's request to run trial fits on copies of the state before the run goes on:
+    what Lightning's tuner callbacks (``LearningRateFinder``, ``BatchSizeFinder``) do inside
+    ``on_fit_start``.
+
+    The driver calls ``fn(trials)`` during ``fit``, once the event has reached every listener
+    and before its other requests are carried out; ``trials.fit(task, state, loader,
+    steps=...)`` runs one trial (:class:`Trials`). ``fn`` returns requests of its own (a
+    :class:`Transition` setting what it found, say), or None; they are carried out with the
+    event's. A search in ``on_fit_start`` is followed by the fit fetching its loaders from
+    the datamodule again (as Lightning's tuners reset them), so a datamodule's ``batch_size``
+    set by the search is the one the fit trains with.
+
+    Args:
+        fn: ``fn(trials) -> requests``.
+        name: what it is, for errors.
+
+    Example:
+        >>> import engine as eg
+        >>> class TryFirst(eg.Listener):            # a trial of 2 steps before fitting
+        ...     def on_fit_start(self, rec):
+        ...         def trial(trials):
+        ...             end = trials.fit(rec.run.task, rec.state.copy(),
+        ...                              rec.run.train_dataloader, steps=2)
+        ...             self.tried = end.step - rec.state.step
+        ...         return eg.Search(trial, name="try first")
+    """
+
+    fn: Callable[[Trials], Any] = attrs.field(validator=_search_fn)
+    name: str = ""
+
+
+Request = Stop | Save | Log | Transition | Search
 """What a handler may return (or a list / tuple of them, or None)."""
 
-_REQUESTS = (Stop, Save, Log, Transition)
+_REQUESTS = (Stop, Save, Log, Transition, Search)
 
 
 @attrs.define
@@ -664,5 +724,6 @@ def _collect(made: list[tuple[Any, Request]], handle: Any, event: Event, out: An
         who = repr(listener)
     raise TypeError(
         f"{who}.{event.value} returned {out!r}; a handler returns None, a request "
-        "(engine.Stop, engine.Save, engine.Log, engine.Transition) or a list or tuple of them"
+        "(engine.Stop, engine.Save, engine.Log, engine.Transition, engine.Search) or a list or "
+        "tuple of them"
     )

@@ -445,6 +445,9 @@ _LIGHTNING_CALLBACKS = {
     "BackboneFinetuning": "engine.listeners.BackboneFinetuning, with tx=optim.freezable(...)",
     "BaseFinetuning": "engine.listeners.Finetuning (override finetune_function), with "
     "tx=optim.freezable(...)",
+    "LearningRateFinder": "engine.listeners.LearningRateFinder (the same arguments; with "
+    "update_attr=True, the optimizer built with optim.inject_hyperparams)",
+    "BatchSizeFinder": "engine.listeners.BatchSizeFinder (the same arguments)",
 }
 
 

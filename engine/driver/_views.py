@@ -107,7 +107,9 @@ LIGHTNING_ATTRIBUTES = {
     "checkpoint_connector": "checkpoints: trainer.save_checkpoint(path), "
     "fit(ckpt_path=...), engine.checkpoint.load / read_meta",
     "init_module": "build the module as usual and make the state with task.init(model, seed=...)",
-    "tuner": "there is no tuner; a learning-rate range test is a loop of engine steps",
+    "tuner": "the tuner is engine.Tuner(trainer): tuner.lr_find(task, state, loader) and "
+    "tuner.scale_batch_size(task, state, loader); or the listeners LearningRateFinder and "
+    "BatchSizeFinder",
     "interrupted": "a SIGTERM/SIGINT during fit saves a checkpoint and exits; fit() raises on "
     "an interruption",
     "received_sigterm": "a SIGTERM during fit saves a checkpoint and exits (engine handles it)",

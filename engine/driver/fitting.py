@@ -22,6 +22,8 @@ from engine.data import (
 )
 from engine.driver import directories
 from engine.driver._checks import warn_hyperparams_in_dtype
+from engine.driver._profiling import Profiler
+from engine.driver.assembly import Assembly
 from engine.driver.context import running
 from engine.driver.restore import datamodule_first
 from engine.driver.run import Run, stepping_batches
@@ -30,10 +32,11 @@ from engine.events import Event
 from engine.loop import evaluate as eval_loops
 from engine.loop.fit import fit as fit_loop
 from engine.plan import schedule
+from engine.plan.config import LoopConfig
 from engine.state import TrainState
 from engine.task import Task
 
-__all__ = ["fit"]
+__all__ = ["Trials", "fit"]
 
 
 def fit(
@@ -136,7 +139,7 @@ def _fit(
     # the run's length, where a schedule asked for it (total_steps="auto"): the task the
     # fit runs (and the journal records, for replay) has it resolved
     task = _resolve_total_steps(task, run)
-    run.begin_fit(task)
+    run.begin_fit(task, Trials(config, run.assembly, run.facade))
     if task.tx is not None:
         warn_hyperparams_in_dtype(
             task.tx,
@@ -161,6 +164,12 @@ def _fit(
         for lg in run.loggers if run.is_global_zero and config.enable_autolog_hparams else ():
             lg.log_hyperparams(dict(task.hparams))
     run.announce(Event.ON_FIT_START)
+    if run.searched and dm is not None:
+        # a tuner's listener searched (and may have set the datamodule's batch_size): the
+        # loaders fetched again, as Lightning's tuners reset them after their search
+        train_loader, val_loaders = _fetch_again(run, dm, val_loaders)
+        num_val_batches = run.count_batches("val", val_loaders)
+        enable_validation = sum(num_val_batches) > 0
 
     eval_services = None if evaluate is None else EvalServices(run, evaluate)
     run.val_loaders_fetched(None)
@@ -186,6 +195,55 @@ def _fit(
         enable_validation=enable_validation,
     )
     run.hand_over(state, progress)
+
+
+def _fetch_again(run: Run, dm: Any, val_loaders: list[Any]) -> tuple[Any, list[Any]]:
+    """The datamodule's training loader (and validation loaders, if the fit has any) again."""
+    train = run.prepare_loaders("train", resolve_loaders("fit", None, dm, "train_dataloader"))
+    if val_loaders:
+        val_loaders = run.prepare_loaders("val", resolve_loaders("fit", None, dm, "val_dataloader"))
+    run.strategy.agree_loaders()
+    run.refetched(train[0])
+    return train[0], val_loaders
+
+
+class Trials:
+    """Trial fits on a Trainer's flags (:class:`engine.events.Trials`): what a listener's
+    :class:`~engine.events.Search` and :class:`engine.Tuner` run. Each trial is a fit in a
+    :class:`Run` of its own, on the flags as resolved (precision, devices, accumulation,
+    clipping, ``max_epochs``, ``limit_train_batches``) with ``max_steps`` the trial's and no
+    validation, loggers, checkpoints, profiler or listeners but those given; bare
+    (``barebones``: no metrics reduced or logged, so a loss that diverges, as a learning-rate
+    search makes it, is no warning), the listeners reading each step's ``outputs``."""
+
+    def __init__(self, config: LoopConfig, assembly: Assembly, facade: Any = None) -> None:
+        self.config, self.assembly, self.facade = config, assembly, facade
+
+    def fit(
+        self,
+        task: Task,
+        state: TrainState,
+        train_dataloader: Any,
+        *,
+        steps: int,
+        listeners: Any = (),
+    ) -> TrainState:
+        """Train ``state`` (consumed) for at most ``steps`` optimizer steps; see
+        :class:`engine.events.Trials`."""
+        config = attrs.evolve(
+            self.config,
+            max_steps=state.step + steps,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            barebones=True,  # no epoch metrics, logging or warnings: a trial reads its outputs
+            profiler=None,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_journal=False,
+        )
+        run = Run(config, self.assembly, (), list(listeners), stage="fit", facade=self.facade)
+        return fit(run, Profiler(None), task, state, train_dataloader, None, None, None)
 
 
 def _resolve_total_steps(task: Task, run: Run) -> Task:

@@ -28,7 +28,19 @@ from engine.data import count_batches, limit_batches, resolve_loaders, restore_l
 from engine.driver._signals import SignalCatcher
 from engine.driver.assembly import Assembly, is_a
 from engine.driver.checkpointer import Checkpointer, RunRecord
-from engine.events import Emitter, Event, EventRecord, Log, RunView, Save, Stop, Transition, _moved
+from engine.events import (
+    Emitter,
+    Event,
+    EventRecord,
+    Log,
+    RunView,
+    Save,
+    Search,
+    Stop,
+    Transition,
+    _collect,
+    _moved,
+)
 from engine.parallel.positions import position_unit
 from engine.plan.config import LoopConfig
 from engine.plan.progress import Phase, Progress
@@ -103,6 +115,9 @@ class Run:
         self._view: RunView | None = None  # the latest view of the run
         self._view_state: TrainState | None = None  # ... the state it was built for
         self._view_version = -1  # ... and the version
+        # trial fits on this run's flags, for a listener's Search (set when a fit begins)
+        self.trials: Any = None
+        self.searched = False  # a Search ran in this call (the fit fetches its loaders again)
 
     @property
     def facade(self) -> Any:
@@ -133,10 +148,11 @@ class Run:
         saver.optimizer = task.tx  # named in checkpoints, and by a misfit resume
         saver.rank, saver.world_size = self.global_rank, self.world_size
 
-    def begin_fit(self, task: Any) -> None:
+    def begin_fit(self, task: Any, trials: Any = None) -> None:
         """The task the fit runs: the call's, with its schedules' length resolved
-        (``total_steps="auto"``)."""
-        self.task = task
+        (``total_steps="auto"``); and the trial fits a listener's
+        :class:`~engine.events.Search` runs."""
+        self.task, self.trials = task, trials
 
     def evaluating(self, datamodule: Any) -> None:
         """The datamodule an evaluation or prediction was given (``trainer.datamodule``)."""
@@ -158,6 +174,11 @@ class Run:
             resume_data_state=None,
             reducer=None,
         )
+
+    def refetched(self, train_loader: Any) -> None:
+        """The training loader fetched again after a search at the fit's start."""
+        self.train_dataloader = train_loader
+        self._version += 1
 
     def resolved_early(self, resolved: tuple[Any, Any] | None) -> tuple[Any, Any] | None:
         """Keep ``(ckpt_path, path)``, a checkpoint resolved before the run's context (for a
@@ -410,9 +431,11 @@ class Run:
 
     def _carry_out(self, event: Event, requests: list[tuple[Any, Any]]) -> None:
         """The requests the listeners made in ``event``, now that every listener has had it:
+        searches first (their trial fits, then the requests they return join the event's),
         stops and logs in listener order, then the saves in listener order, so that every
         checkpoint saved in an event holds the run as the event left it (a stop asked for by a
         listener listed after the one saving included)."""
+        requests = self._searches(event, requests)
         saves, transitions = [], []
         for listener, request in requests:
             if isinstance(request, Save):
@@ -434,6 +457,39 @@ class Run:
             )
         for listener, request in saves:
             self.checkpointer.save_requested(listener, request, self.save_checkpoint)
+
+    def _searches(self, event: Event, requests: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+        """The event's requests with each :class:`~engine.events.Search` run (in listener
+        order, before the others are carried out) and replaced by the requests it returned."""
+        if not any(isinstance(r, Search) for _, r in requests):
+            return requests
+        out: list[tuple[Any, Any]] = []
+        for listener, request in requests:
+            if not isinstance(request, Search):
+                out.append((listener, request))
+                continue
+            who = f"{type(listener).__name__}.{event.value} returned {request!r}"
+            if (
+                self.stage != "fit"
+                or self.trials is None
+                or self.sanity_checking
+                or event in STEP_EVENTS
+                or event in (Event.ON_STATE_TRANSITION, Event.ON_SAVE_CHECKPOINT)
+            ):
+                raise RuntimeError(
+                    f"{who}: a search runs trial fits between the steps of a fit (from "
+                    "on_fit_start on; not inside a step, the sanity check, outside fit, or in "
+                    "answer to a transition or a save)"
+                )
+            self.searched = True
+            made = request.fn(self.trials)
+            if made is not None:
+                found: list[tuple[Any, Any]] = []
+                _collect(found, request.fn, event, made)
+                if any(isinstance(r, Search) for _, r in found):
+                    raise RuntimeError(f"{who}: its function returned another Search")
+                out.extend((listener, r) for _, r in found)
+        return out
 
     def _transition(self, event: Event, listener: Any, request: Transition) -> None:
         """Apply a listener's :class:`~engine.events.Transition` to the state, then announce it

@@ -22,6 +22,8 @@ Those with state worth checkpointing (``EarlyStopping``, ``Timer``) implement ``
 :class:`StochasticWeightAveraging`  Lightning's SWA: average per epoch, SWALR, BatchNorm
 :class:`Finetuning`       freeze and unfreeze parameter groups by epoch
 :class:`BackboneFinetuning`  Lightning's backbone schedule
+:class:`LearningRateFinder`  a learning-rate range test when the fit starts (Lightning's)
+:class:`BatchSizeFinder`  the largest batch size that fits in memory, when the fit starts
 ========================  ======================================================
 
 Example:
@@ -31,6 +33,7 @@ Example:
 """
 
 from engine.listeners.averaging import EMAWeightAveraging, StochasticWeightAveraging, swalr
+from engine.listeners.batch_size_finder import BatchSizeFinder, is_oom_error
 from engine.listeners.checkpoint import ModelCheckpoint
 from engine.listeners.early_stopping import EarlyStopping, EarlyStoppingReason
 from engine.listeners.finetuning import (
@@ -40,6 +43,7 @@ from engine.listeners.finetuning import (
     multiplicative,
 )
 from engine.listeners.journal import Journal
+from engine.listeners.lr_finder import LearningRateFinder, LRFinderResult, lr_grid
 from engine.listeners.lr_monitor import LearningRateMonitor
 from engine.listeners.lr_schedule import LearningRateSchedule, ReduceLROnPlateau
 from engine.listeners.prediction_writer import BasePredictionWriter
@@ -50,12 +54,15 @@ from engine.listeners.timer import Timer, parse_duration
 __all__ = [
     "BackboneFinetuning",
     "BasePredictionWriter",
+    "BatchSizeFinder",
     "EMAWeightAveraging",
     "EarlyStopping",
     "EarlyStoppingReason",
     "Finetuning",
     "FinetuningTransition",
     "Journal",
+    "LRFinderResult",
+    "LearningRateFinder",
     "LearningRateMonitor",
     "LearningRateSchedule",
     "ModelCheckpoint",
@@ -64,6 +71,8 @@ __all__ = [
     "ReduceLROnPlateau",
     "StochasticWeightAveraging",
     "Timer",
+    "is_oom_error",
+    "lr_grid",
     "multiplicative",
     "parse_duration",
     "summarize",

@@ -69,6 +69,7 @@ from engine.optim.masking import (
     masked,
     multi_transform,
 )
+from engine.optim.replacing import with_learning_rate
 from engine.optim.schedules import (
     AutoLength,
     constant,
@@ -110,6 +111,7 @@ __all__ = [
     "has_deferred",
     "recipes",
     "resolve_total_steps",
+    "with_learning_rate",
     # named optimizers
     "adagrad",
     "adam",

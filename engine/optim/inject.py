@@ -176,6 +176,13 @@ _KEEP_ALIVE: weakref.WeakKeyDictionary[GradientTransformation, _Builder] = (
 )
 
 
+def injected_names(tx: GradientTransformation) -> tuple[str, ...]:
+    """The hyperparameters ``tx`` keeps in its state, if it is an :func:`inject_hyperparams`
+    optimizer (its numeric arguments, sorted); ``()`` for any other transformation."""
+    builder = _KEEP_ALIVE.get(tx)
+    return () if builder is None else builder.keys
+
+
 def warm(opt_state: OptState) -> None:
     """Build, outside any compiled code, the optimizers for the hyperparameter values an
     optimizer state holds (``set_hyperparams`` and checkpoint loading call this), so a compiled
