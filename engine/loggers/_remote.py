@@ -37,19 +37,12 @@ def need(module: str, extra: str, who: str) -> None:
 
 
 def global_rank() -> int:
-    """This process's global rank: ``torch.distributed``'s once a process group is up, else
-    the ``RANK`` variable torchrun and engine's launchers set (``SLURM_PROCID`` under srun),
-    else 0. The loggers read it so that a rank other than 0 never starts a run, whatever
-    calls them (the Trainer calls them on rank 0 only)."""
-    import torch.distributed as dist
+    """This process's global rank (:func:`engine.parallel.environments.process_rank`). The
+    loggers read it so that a rank other than 0 never starts a run, whatever calls them (the
+    Trainer calls them on rank 0 only)."""
+    from engine.parallel.environments import process_rank
 
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    for var in ("RANK", "SLURM_PROCID"):
-        value = os.environ.get(var, "")
-        if value.strip().isdigit():
-            return int(value)
-    return 0
+    return process_rank()
 
 
 class NoExperiment:

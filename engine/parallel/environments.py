@@ -548,3 +548,25 @@ def select_environment(
         env = LocalEnvironment(devices, num_nodes)
     env.validate(devices=devices, num_nodes=num_nodes)
     return env
+
+
+def process_rank() -> int:
+    """This process's global rank: ``torch.distributed``'s once a process group is up, else
+    the ``RANK`` variable torchrun and engine's launchers set (``SLURM_PROCID`` under srun),
+    else 0. For code outside the strategies that must act on one rank only, whatever calls it
+    (a remote logger never starts a run on another rank).
+
+    Example:
+        >>> from engine.parallel.environments import process_rank
+        >>> process_rank()  # one process, no launcher
+        0
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    for var in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "")
+        if value.strip().isdigit():
+            return int(value)
+    return 0
