@@ -12,6 +12,9 @@ journaled run and checks it bitwise. Research pieces: :mod:`engine.ensemble` tra
 optimizers' differentiable form).
 """
 
+# _torch_check first: on a torch older than engine supports, importing engine stops there with
+# a message that names the versions, before any module fails on a missing torch API
+from engine import _torch_check  # noqa: F401  # isort: skip
 from engine import (
     checkpoint,
     data,
