@@ -4,8 +4,9 @@
 # own stamp, so `make test` after `make demo` still installs the test extra.
 #
 # torch is installed on its own first, pinned to the CPU wheel this project is developed on
-# (TORCH=...), so that the `torch>=2.4` range in pyproject.toml finds it satisfied instead of
-# pulling a multi-GB CUDA build. Override it for your platform: `make test TORCH="torch==2.5.1"`.
+# (TORCH=...), so that the `torch>=2.13` range in pyproject.toml finds it satisfied instead of
+# pulling a multi-GB CUDA build. Override it for your platform: `make test TORCH="torch==2.14.1"`
+# (2.13 or newer: `import engine` refuses an older torch, see engine/_torch_check.py).
 # Where plain `pip install torch` brings a CUDA build, take torch from PyTorch's CPU index:
 # `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu` (its --index-url, for torch
 # alone). PIP_ARGS is passed to every pip install (`PIP_ARGS="--no-index --find-links wheels/"`).

@@ -13,6 +13,9 @@ trains E models (an ensemble, or a hyperparameter sweep) in one vmapped step;
 :mod:`engine.meta` (MAML through the optimizers' differentiable form).
 """
 
+# _torch_check first: on a torch older than engine supports, importing engine stops there with
+# a message that names the versions, before any module fails on a missing torch API
+from engine import _torch_check  # noqa: F401  # isort: skip
 from engine import (
     checkpoint,
     data,
