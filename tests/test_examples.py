@@ -11,9 +11,10 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 pytestmark = pytest.mark.budget(
-    share=0.08,
+    share=0.10,
     why="the examples train on real data; the preemption example runs two torchrun jobs of 2 "
-    "ranks, one restarted (about 20 s: 6 cold interpreters and a restart)",
+    "ranks, one restarted (about 20 s: 6 cold interpreters and a restart); the ported "
+    "autoencoder runs as a script and twice through the engine command",
 )
 
 
@@ -244,16 +245,16 @@ def test_the_ported_lightning_autoencoder_runs_as_a_script_and_through_the_comma
     sys.path.insert(0, str(EXAMPLES))  # the config's class_path: autoencoder.*
     try:
         out = ae.main(
-            ["--config", config, "--trainer.max_epochs=3", f"--trainer.default_root_dir={root}"]
+            ["--config", config, "--trainer.max_epochs=2", f"--trainer.default_root_dir={root}"]
         )
     finally:
         sys.path.remove(str(EXAMPLES))
     trainer = out["trainer"]
-    assert out["state"].step == 3 * 45  # 1,437 images in batches of 32
+    assert out["state"].step == 2 * 45  # 1,437 images in batches of 32
     assert out["test"]["test_loss_epoch"] < 0.08  # a 3-number code of 64 pixels (mean ~0.11)
     assert len(out["predictions"]) == 6 and out["predictions"][0].shape == (32, 64)
     samples = sorted(p.name for p in Path(trainer.log_dir).glob("samples-epoch=*.pt"))
-    assert samples == ["samples-epoch=0.pt", "samples-epoch=1.pt", "samples-epoch=2.pt"]
+    assert samples == ["samples-epoch=0.pt", "samples-epoch=1.pt"]
     saved = torch.load(Path(trainer.log_dir) / samples[-1])
     assert saved["reconstructions"].shape == saved["images"].shape == (8, 8, 8)
     assert (Path(trainer.log_dir) / samples[-1]).stat().st_size < 10_000  # 8 images, not a split

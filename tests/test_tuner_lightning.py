@@ -30,6 +30,12 @@ from engine import optim
 
 pl = pytest.importorskip("pytorch_lightning")
 
+pytestmark = pytest.mark.budget(
+    share=0.06,
+    why="Lightning's own Tuner is the oracle: ten batch-size searches of Lightning's, each a "
+    "few Lightning fits (its Trainer's start-up is most of it)",
+)
+
 QUIET = {
     "logger": False,
     "enable_progress_bar": False,

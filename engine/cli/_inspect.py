@@ -73,11 +73,15 @@ def _not_a_checkpoint_dir(path: Path) -> str | None:
 
 def _inspect(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    if (
-        path.is_dir()
-        and (path / "journal.jsonl").is_file()
-        and not (path / checkpoint.META).exists()
-    ):
+    try:  # a run directory (its journal, no meta.json); unreadable: the checkpoint path says why
+        run_dir = (
+            path.is_dir()
+            and (path / "journal.jsonl").is_file()
+            and not (path / checkpoint.META).exists()
+        )
+    except OSError:
+        run_dir = False
+    if run_dir:
         from engine.cli._run_dir import inspect_run_dir, print_run_dir
 
         try:
