@@ -45,6 +45,29 @@ def global_rank() -> int:
     return process_rank()
 
 
+class LogsCheckpoints:
+    """``after_save_checkpoint`` of a logger that uploads checkpoints (``log_model``), as
+    Lightning's: ``"all"`` logs the checkpoints not logged yet at each save (an asynchronous one
+    once it has landed: at a later save or at the end); ``True`` remembers the listener, to log
+    what it keeps when the fit ends (at once with ``save_top_k=-1``). The logger gives
+    ``_log_model``, ``_checkpoint_listeners`` and ``_log_checkpoints(listener)``."""
+
+    _log_model: Any
+    _checkpoint_listeners: dict[int, Any]
+
+    def after_save_checkpoint(self, checkpoint_listener: Any) -> None:
+        """Called by the Trainer after a ``ModelCheckpoint`` saved (see the class)."""
+        if not self._log_model or global_rank() != 0:
+            return
+        every = self._log_model == "all" or getattr(checkpoint_listener, "save_top_k", 1) == -1
+        self._checkpoint_listeners[id(checkpoint_listener)] = checkpoint_listener
+        if every:
+            self._log_checkpoints(checkpoint_listener)
+
+    def _log_checkpoints(self, listener: Any) -> None:
+        raise NotImplementedError
+
+
 class NoExperiment:
     """What ``experiment`` is on a rank other than 0 (Lightning's ``DummyExperiment``): every
     attribute, call and item is itself, and does nothing.

@@ -52,6 +52,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from engine.loggers._remote import (
+    LogsCheckpoints,
     NoExperiment,
     add_prefix,
     check_log_model,
@@ -71,7 +72,7 @@ _PARAMS_PER_BATCH, _METRICS_PER_BATCH = 100, 1000
 _NOTHING = NoExperiment()
 
 
-class MLFlowLogger:
+class MLFlowLogger(LogsCheckpoints):
     """Log to `MLflow <https://mlflow.org>`_: metrics, hyperparameters, checkpoints.
 
     Args:
@@ -385,18 +386,6 @@ class MLFlowLogger:
             )
 
     # ------------------------------------------------------------------ checkpoints
-
-    def after_save_checkpoint(self, checkpoint_listener: Any) -> None:
-        """Called by the Trainer after a ``ModelCheckpoint`` saved: ``log_model="all"``
-        logs the checkpoints not logged yet (an asynchronous one once it has landed: at a
-        later save or at the end); ``True`` remembers the listener, to log what it keeps
-        when the fit ends (at once with ``save_top_k=-1``, as Lightning)."""
-        if not self._log_model or global_rank() != 0:
-            return
-        every = self._log_model == "all" or getattr(checkpoint_listener, "save_top_k", 1) == -1
-        self._checkpoint_listeners[id(checkpoint_listener)] = checkpoint_listener
-        if every:
-            self._log_checkpoints(checkpoint_listener)
 
     def _log_checkpoints(self, listener: Any) -> None:
         client = self.experiment
