@@ -180,3 +180,25 @@ def test_a_transition_that_moves_the_run_or_runs_inside_a_step_is_refused(tmp_pa
     with pytest.raises(TypeError, match="pass a function"):
         eg.Transition("halve")
     _ = checkpoint  # (engine.checkpoint: the resumes above load through it)
+
+
+class _AtFitStart(eg.Listener):
+    """A transition asked for in on_fit_start: the event the journal asks for its start
+    checkpoint in."""
+
+    def on_fit_start(self, rec):
+        return eg.Transition(_halve, name="halve-at-start")
+
+
+def test_a_transition_in_on_fit_start_is_in_the_start_checkpoint_and_replays_once(tmp_path):
+    """The journal's start checkpoint is saved after the event's requests (the transition
+    included): its start line is written then, after the transition's line, so a replay from it
+    does not halve the weights twice."""
+    trainer, _ = fit(tmp_path, [_AtFitStart()])
+    lines = eg.Journal.read(trainer.run_dir)
+    first, start = lines[0], lines[1]
+    assert first["transition"] == "halve-at-start" and start.get("start")
+    saved = eg.checkpoint.read_meta(start["checkpoint"])
+    assert start["fingerprint"] == saved["fingerprint"] and start["transitions"] == 1
+    report = eg.replay(trainer.run_dir, 1, 18, trust_code=True)
+    assert report.identical and report.steps == 18, str(report)

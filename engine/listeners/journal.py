@@ -188,19 +188,28 @@ class Journal(Listener):
         if not self.replayable or rec.state is None:
             return None
         start = run.ckpt_path  # a resumed fit starts from that checkpoint
-        save = None
-        if start is None:  # else the state it was given: saved beside the journal
-            start = self._start = str(root / f"start-step={rec.state.step}")
-            save = Save(start, asynchronous=True)
-            # a one-off: no later save of this journal reuses the snapshot's host memory, which
-            # is freed at the next batch (the driver takes the snapshot after this event)
-            self._release = True
+        if start is not None:
+            self._put_start(rec, start)
+            return None
+        # else the state it was given, saved beside the journal; its start line is written
+        # when the save is carried out (on_save_checkpoint), after every request of this
+        # event: a Transition another listener asked for here is in the checkpoint, and its
+        # line comes before the start line, so a replay does not apply it twice
+        self._start = str(root / f"start-step={rec.state.step}")
+        # a one-off: no later save of this journal reuses the snapshot's host memory, which
+        # is freed at the next batch (the driver takes the snapshot after this event)
+        self._release = True
+        return Save(self._start, asynchronous=True)
+
+    def _put_start(self, rec: EventRecord, start: str) -> None:
+        """The fit's start line: the state it starts from (the checkpoint ``start`` holds)."""
         line = self._line(
             rec, loss=None, fingerprint=True, checkpoint=os.path.abspath(start), start=True
         )
         line["every_n_steps"] = self.every_n_steps  # a line at least this often: replay checks
+        if self._transitions:  # made before the start checkpoint was saved: it holds them
+            line["transitions"] = self._transitions
         self._put(line)
-        return save
 
     def _write_run(self, rec: EventRecord, root: Path) -> None:
         """Rank 0's files of the run directory: the flags, the open journal and (replayable)
@@ -347,7 +356,8 @@ class Journal(Listener):
         if not self._on or rec.state is None:
             return
         if self._start is not None and rec.checkpoint_path == self._start:
-            self._start = None  # the start checkpoint: its line is written already
+            self._put_start(rec, self._start)  # the state it saves: the event's requests done
+            self._start = None
             return
         path = os.path.abspath(rec.checkpoint_path) if rec.checkpoint_path else True
         if rec.checkpoint_future is None:
