@@ -19,6 +19,7 @@ from pathlib import Path
 
 import _procs
 import pytest
+from _logger_fit import tiny_fit as _fit
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -39,48 +40,6 @@ def _file_store(monkeypatch):
 
 def _uri(tmp_path: Path) -> str:
     return f"file:{tmp_path / 'mlruns'}"
-
-
-def _fit(
-    loggers,
-    root: Path,
-    *,
-    max_steps: int = 6,
-    callbacks=(),
-    fail_at: int | None = None,
-    ckpt_path: str | None = None,
-):
-    """A tiny fit (4 batches, validation every 2 steps, a row every step) into ``loggers``."""
-    import torch
-    import torch.nn.functional as F
-
-    import engine as eg
-    from engine import optim
-
-    class Fail(eg.Listener):
-        def on_train_batch_end(self, rec):
-            if rec.state.step == fail_at:
-                raise RuntimeError("failed on purpose")
-
-    def loss(m, b):
-        return F.mse_loss(m(b[0]), b[1])
-
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
-    hparams = {"lr": 0.05, "model": {"width": 4, "act": None}, "betas": (0.9, 0.99)}
-    task = eg.Task(loss, optim.adamw(0.05), eval_fn=loss, hparams=hparams)
-    trainer = eg.Trainer(
-        max_steps=max_steps,
-        log_every_n_steps=1,
-        val_check_interval=2,
-        logger=loggers,
-        default_root_dir=root,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Fail(), *callbacks],
-    )
-    trainer.fit(task, task.init(torch.nn.Linear(4, 1)), data, data[:2], ckpt_path=ckpt_path)
-    return trainer
 
 
 def _csv_rows(path: str) -> list[dict[str, str]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _logger_fit import tiny_fit as _fit
 
 wandb = pytest.importorskip("wandb")
 
@@ -109,35 +110,6 @@ def csv_rows(path: str) -> list[dict[str, Any]]:
             item["trainer/global_step"] = int(row["step"])
             out.append(item)
     return out
-
-
-def _fit(loggers, root: Path, *, max_steps: int = 6, callbacks=(), ckpt_path=None, model=None):
-    import torch
-    import torch.nn.functional as F
-
-    import engine as eg
-    from engine import optim
-
-    def loss(m, b):
-        return F.mse_loss(m(b[0]), b[1])
-
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
-    hparams = {"lr": 0.05, "model": {"width": 4, "act": None}, "betas": (0.9, 0.99)}
-    task = eg.Task(loss, optim.adamw(0.05), eval_fn=loss, hparams=hparams)
-    trainer = eg.Trainer(
-        max_steps=max_steps,
-        log_every_n_steps=1,
-        val_check_interval=2,
-        logger=loggers,
-        default_root_dir=root,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-    )
-    model = model or torch.nn.Linear(4, 1)
-    trainer.fit(task, task.init(model), data, data[:2], ckpt_path=ckpt_path)
-    return trainer
 
 
 # ---------------------------------------------------------------------- a fit
