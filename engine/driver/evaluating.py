@@ -12,6 +12,7 @@ from engine.driver.context import running
 from engine.driver.restore import datamodule_first
 from engine.driver.run import Run
 from engine.driver.services import EvalServices
+from engine.events import Event
 from engine.loop import evaluate as eval_loops
 from engine.state import TrainState
 from engine.task import Task
@@ -147,7 +148,12 @@ def predict(
             task.predict_step(transforms=run.pipeline, inference_mode=run.config.inference_mode),
         )
         assert run.state is not None  # placed by running
-        indices = [data.record_batch_indices(dl) for dl in loaders]  # for prediction writers
+        # each batch's dataset indices, for the listeners of its events (prediction writers):
+        # recorded only when one listens, so a prediction nobody watches pays nothing
+        listened = any(
+            run.emitter.wants(e) for e in (Event.ON_PREDICT_BATCH_START, Event.ON_PREDICT_BATCH_END)
+        )
+        indices = [data.record_batch_indices(dl) for dl in loaders] if listened else []
         try:
             services = EvalServices(run, step, indices)
             state, progress, outputs = eval_loops.predict(
