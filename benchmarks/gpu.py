@@ -13,10 +13,14 @@ embedding, ``nn.TransformerEncoder`` with d_model 256, 4 layers, 4 heads, sequen
 * ``raw_compiled``: the same loop over ``torch.compile(model)``, for orientation;
 * ``engine_eager``: ``transforms.compose(placement=SingleDevice(dev), precision=...)`` and
   ``pipeline.train_step(loss_fn, optim.adamw(1e-3))``;
-* ``engine_compiled``: the same with ``compile=True``.
+* ``engine_compiled``: the same with ``compile=True``;
+* ``engine_cudagraphs`` (CUDA only): the same with ``compile={"mode": "reduce-overhead"}``, the
+  whole donated step replayed as a CUDA graph.
+
+engine's AdamW is ``optim.adamw(1e-3, fused=True)`` on CUDA, the raw loop's kernel.
 
 Compiling dominates the run time, so by default only bf16-mixed gets compiled variants (two per
-model); ``--compile-float32`` adds float32's, ``--skip-compile`` drops them all, and a compiled
+model, three on CUDA); ``--compile-float32`` adds float32's, ``--skip-compile`` drops them all, and a compiled
 variant that would start after ``--budget-s`` seconds is skipped (and listed as such).
 
 Speed: variants are built and warmed up, then run interleaved, round by round, with the device
@@ -54,7 +58,8 @@ import engine as eg
 from engine import optim, transforms
 
 PRECISIONS = ("float32", "bf16-mixed")
-KINDS = ("raw", "raw_compiled", "engine_eager", "engine_compiled")
+KINDS = ("raw", "raw_compiled", "engine_eager", "engine_compiled", "engine_cudagraphs")
+REDUCE_OVERHEAD = {"mode": "reduce-overhead"}
 Run = Callable[[], None]
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -181,14 +186,18 @@ def engine_precision(precision: str) -> transforms.Transform:
 
 
 def engine_variant(
-    shape: MLPShape | LMShape, batch: Any, precision: str, device: torch.device, compile: bool
+    shape: MLPShape | LMShape,
+    batch: Any,
+    precision: str,
+    device: torch.device,
+    compile: bool | dict[str, str],
 ) -> Run:
     pipeline = transforms.compose(
         placement=transforms.SingleDevice(device),
         precision=engine_precision(precision),
         compile=compile,
     )
-    tx = optim.adamw(1e-3)
+    tx = optim.adamw(1e-3, fused=device.type == "cuda" or None)
     box = [pipeline.prepare(eg.TrainState.create(make_model(shape), tx, seed=0))]
     step = pipeline.train_step(loss_fn, tx)
     moved = pipeline.move(batch)
@@ -199,11 +208,12 @@ def engine_variant(
     return run
 
 
-BUILDERS: dict[str, tuple[Callable[..., Run], bool]] = {
+BUILDERS: dict[str, tuple[Callable[..., Run], bool | dict[str, str]]] = {
     "raw": (raw_variant, False),
     "raw_compiled": (raw_variant, True),
     "engine_eager": (engine_variant, False),
     "engine_compiled": (engine_variant, True),
+    "engine_cudagraphs": (engine_variant, REDUCE_OVERHEAD),
 }
 
 
@@ -409,7 +419,10 @@ def run(
         write()
     for bench in benches.values():
         added = False
-        for kind in ("raw_compiled", "engine_compiled"):
+        kinds = ["raw_compiled", "engine_compiled"]
+        if device.type == "cuda":
+            kinds.append("engine_cudagraphs")
+        for kind in kinds:
             for precision in compiled:
                 if time.monotonic() - start > budget_s:
                     bench.out["skipped"][f"{kind}/{precision}"] = (

@@ -13,6 +13,10 @@ far from the cause:
 
 The other tests the README lists passed on 2.10 too; the README says which ran where.
 
+``ENGINE_ALLOW_UNSUPPORTED_TORCH=1`` turns the error into a warning, for a machine whose torch
+cannot be changed (a lent GPU machine with its own image): what works there is what the list
+above leaves, and nothing more is promised.
+
 Only the release numbers are compared: a pre-release, nightly or source build of a supported
 release (``2.13.0rc1``, ``2.14.0.dev20260101``, ``2.13.0a0+git1234``) passes, and so does a
 version this module cannot read (a custom build's own scheme), rather than being refused unread.
@@ -20,7 +24,9 @@ version this module cannot read (a custom build's own scheme), rather than being
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
 
 __all__ = ["MINIMUM", "check", "release"]
 
@@ -48,6 +54,15 @@ def check(version: str, where: str = "") -> None:
     if found is None or found >= MINIMUM:
         return
     minimum = ".".join(map(str, MINIMUM))
+    if os.environ.get("ENGINE_ALLOW_UNSUPPORTED_TORCH") == "1":
+        warnings.warn(
+            f"engine supports torch>={minimum}; running on torch {version} because "
+            "ENGINE_ALLOW_UNSUPPORTED_TORCH=1: a compiled step under DDP or FSDP fails before 2.13 "
+            "and every compiled step before 2.11",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
     raise ImportError(
         f"engine supports torch {minimum} or newer (torch>={minimum}); this Python has torch "
         f"{version}{f' ({where})' if where else ''}. Install a supported release: "

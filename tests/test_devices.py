@@ -242,7 +242,7 @@ def test_gpu_fit_places_the_state_once_and_moves_pinned_batches():
 
 
 @pytest.mark.gpu
-def test_gpu_default_adamw_is_the_fused_kernel_bitwise():
+def test_gpu_default_adamw_is_torch_default_path_bitwise():
     model = _mlp().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = _batches(6)
@@ -250,7 +250,7 @@ def test_gpu_default_adamw_is_the_fused_kernel_bitwise():
         opt.zero_grad()
         _ce(model, (x.cuda(), y.cuda())).backward()
         opt.step()
-    task = eg.Task(_ce, optim.adamw(1e-2))  # the default path: fused on CUDA
+    task = eg.Task(_ce, optim.adamw(1e-2))  # the default path: torch.optim's own (foreach on CUDA)
     state = eg.Trainer(max_epochs=1, accelerator="cuda", barebones=True).fit(
         task, task.init(_mlp()), data
     )

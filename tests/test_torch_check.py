@@ -87,3 +87,12 @@ def test_import_engine_on_an_older_torch_stops_first_with_the_message():
         f"pip install 'torch>={MINIMUM}'"
     ), message
     assert modules == "[]"
+
+
+def test_the_escape_hatch_warns_instead_of_refusing(monkeypatch):
+    monkeypatch.setenv("ENGINE_ALLOW_UNSUPPORTED_TORCH", "1")
+    with pytest.warns(RuntimeWarning, match=r"torch 2\.11\.0\+cu130 because ENGINE_ALLOW"):
+        _torch_check.check("2.11.0+cu130")
+    monkeypatch.setenv("ENGINE_ALLOW_UNSUPPORTED_TORCH", "yes")  # only "1" opens it
+    with pytest.raises(ImportError, match="2.11.0"):
+        _torch_check.check("2.11.0+cu130")
