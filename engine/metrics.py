@@ -319,6 +319,9 @@ class MetricReducer:
                 ts = [t.detach() for t, _ in rows]
                 if any(t.ndim for t in ts):
                     ts = [t.float().mean() for t in ts]
+                device = ts[-1].device  # a resumed epoch's restored rows are on the host
+                if any(t.device != device for t in ts):
+                    ts = [t.to(device) for t in ts]
                 v = torch.stack(ts).float()
                 how = self.reduce.get(k, "mean")
                 if how == "mean":

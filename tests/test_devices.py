@@ -241,20 +241,46 @@ def test_gpu_fit_places_the_state_once_and_moves_pinned_batches():
     assert metrics["val/loss"] > 0
 
 
-@pytest.mark.gpu
-def test_gpu_default_adamw_is_torch_default_path_bitwise():
+def _torch_adamw_on_cuda(data, **kwargs):
     model = _mlp().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = _batches(6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **kwargs)
     for x, y in data:
         opt.zero_grad()
         _ce(model, (x.cuda(), y.cuda())).backward()
         opt.step()
-    task = eg.Task(_ce, optim.adamw(1e-2))  # the default path: torch.optim's own (foreach on CUDA)
+    return model
+
+
+@pytest.mark.gpu
+def test_gpu_fused_adamw_is_torch_fused_bitwise():
+    data = _batches(6)
+    model = _torch_adamw_on_cuda(data, fused=True)
+    task = eg.Task(_ce, optim.adamw(1e-2, fused=True))
     state = eg.Trainer(max_epochs=1, accelerator="cuda", barebones=True).fit(
         task, task.init(_mlp()), data
     )
     for name, p in model.named_parameters():
+        assert torch.equal(state.params[name], p.detach()), name
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap (H200, torch 2.11, 2026-12-04): torch's default CUDA Adam/AdamW keep their "
+    "step counters on the host (bias corrections in Python floats) and end in addcdiv_; engine "
+    "keeps them on the device (no host sync) and computes the corrections there: Adam 3.0e-8 "
+    "and AdamW 4.5e-8 apart after 6 steps (with host counters Adam is bitwise, AdamW still "
+    "needs torch's addcdiv_ order). RMSprop, Adagrad (lr_decay too) and SGD are bitwise",
+)
+def test_gpu_default_adamw_is_torch_default_path_bitwise():
+    data = _batches(6)
+    model = _torch_adamw_on_cuda(data)
+    task = eg.Task(_ce, optim.adamw(1e-2))
+    state = eg.Trainer(max_epochs=1, accelerator="cuda", barebones=True).fit(
+        task, task.init(_mlp()), data
+    )
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(state.params[name], p.detach(), rtol=0, atol=1e-6)
         assert torch.equal(state.params[name], p.detach()), name
 
 
@@ -284,19 +310,26 @@ def test_gpu_16_mixed_matches_grad_scaler_bitwise_with_an_overflow():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"])
+@pytest.mark.parametrize(
+    "precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"]
+)
 def test_gpu_every_precision_trains_resumes_and_replays_bitwise(tmp_path, precision):
-    task = eg.Task(_ce, optim.adamw(1e-2), eval_fn=_ce)
+    """A checkpoint saved mid-epoch (asynchronously: pinned host copies of CUDA tensors)
+    continues to the uninterrupted run's bits."""
+    task = eg.Task(_ce, optim.adamw(1e-2, eps=1e-4), eval_fn=_ce)  # eps float16 holds
     data = _batches(12)
     flags = dict(accelerator="cuda", precision=precision, accumulate_grad_batches=3, **QUIET)
-    whole = eg.Trainer(max_epochs=2, default_root_dir=tmp_path / "a", **flags)
-    final = whole.fit(task, task.init(_mlp(dropout=0.2)), data)
-    first = eg.Trainer(max_epochs=2, max_steps=5, default_root_dir=tmp_path / "b", **flags)
-    first.fit(task, task.init(_mlp(dropout=0.2)), data)
-    first.save_checkpoint(tmp_path / "mid")
-    resumed = eg.Trainer(max_epochs=2, default_root_dir=tmp_path / "c", **flags).fit(
-        task, task.init(_mlp(seed=7, dropout=0.2)), data, ckpt_path=tmp_path / "mid"
+    flags["enable_checkpointing"] = True
+    every = eg.listeners.ModelCheckpoint(
+        dirpath=tmp_path / "ck", save_top_k=-1, every_n_train_steps=1, asynchronous=True
     )
+    whole = eg.Trainer(max_epochs=2, default_root_dir=tmp_path / "a", callbacks=[every], **flags)
+    final = whole.fit(task, task.init(_mlp(dropout=0.2)), data)
+    (mid,) = (tmp_path / "ck").glob("*step=6*")  # epoch 1, batch 6 of 12: mid-epoch
+    resumed = eg.Trainer(max_epochs=2, default_root_dir=tmp_path / "c", **flags).fit(
+        task, task.init(_mlp(seed=7, dropout=0.2)), data, ckpt_path=mid
+    )
+    assert (resumed.step, resumed.epoch) == (final.step, final.epoch) == (8, 2)
     assert resumed.fingerprint() == final.fingerprint()
     report = eg.replay(whole.run_dir, trust_code=True)
     assert report.divergence is None, report

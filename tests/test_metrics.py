@@ -36,3 +36,16 @@ def test_metrics_missing_from_some_steps_are_weighted_by_their_own_batches():
     assert r.compute() == {"loss": (1 + 9 + 8) / 8, "grad_norm": 5.0}
     r.reset()
     assert r.compute() == {}
+
+
+def test_a_restored_epoch_folds_with_the_accelerators_rows():
+    """A resumed epoch's restored rows are host tensors; the new steps' are on the accelerator
+    (here "meta" stands in for it, as this machine has none): folding both is no device mismatch
+    (it was, at the first epoch end of a mid-epoch resume on a GPU)."""
+    saved = MetricReducer(fold_every=100)
+    saved.update({"loss": torch.tensor(2.0)}, 4)
+    restored = MetricReducer(fold_every=100)
+    restored.load_state_dict(saved.state_dict())
+    restored.update({"loss": torch.tensor(1.0, device="meta")}, 4)
+    restored._fold()
+    assert restored.values["loss"].device.type == "meta" and restored.weights["loss"] == 8
