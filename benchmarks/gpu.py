@@ -20,8 +20,9 @@ embedding, ``nn.TransformerEncoder`` with d_model 256, 4 layers, 4 heads, sequen
 engine's AdamW is ``optim.adamw(1e-3, fused=True)`` on CUDA, the raw loop's kernel.
 
 Compiling dominates the run time, so by default only bf16-mixed gets compiled variants (two per
-model, three on CUDA); ``--compile-float32`` adds float32's, ``--skip-compile`` drops them all, and a compiled
-variant that would start after ``--budget-s`` seconds is skipped (and listed as such).
+model, three on CUDA); ``--compile-float32`` adds float32's, ``--skip-compile`` drops them all,
+and a compiled variant that would start after ``--budget-s`` seconds is skipped (and listed as
+such).
 
 Speed: variants are built and warmed up, then run interleaved, round by round, with the device
 synchronized around each timed block; a variant's ``ratio_to_raw`` is the median over rounds of

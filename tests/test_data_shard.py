@@ -130,6 +130,75 @@ def test_shards_of_a_shuffled_order_are_distributed_samplers_given_its_order():
         assert _flat(dl) == list(ref)
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize(("n", "world", "b"), [(23, 3, 4), (20, 2, 5), (7, 4, 2)])
+def test_shuffled_training_shards_are_lightnings_distributed_sampler(
+    shuffle, drop_last, n, world, b
+):
+    """Lightning's use_distributed_sampler puts DistributedSampler(shuffle=True, seed) in place
+    of a training loader's RandomSampler or SequentialSampler, whatever its shuffle flag, and
+    calls set_epoch each epoch: a shuffle shard told (seed, epoch) by seed_shuffle deals the same
+    batches, with the loader's batch_size and drop_last."""
+    ds = Recorded(n)
+    ours = [
+        DataLoader(ds, batch_size=b, shuffle=shuffle, drop_last=drop_last) for _ in range(world)
+    ]
+    for rank, dl in enumerate(ours):
+        assert shard_loader(dl, rank, world, pad=True, shuffle=True)
+    for epoch in (0, 3):
+        for rank, dl in enumerate(ours):
+            seed_shuffle(dl, 7, epoch)
+            sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=7)
+            sampler.set_epoch(epoch)
+            reference = DataLoader(ds, batch_size=b, drop_last=drop_last, sampler=sampler)
+            assert _batches(dl) == _batches(reference), (epoch, rank)
+            assert len(dl) == len(reference)
+
+
+def test_a_custom_sampler_is_shuffled_as_lightnings_sampler_wrapper():
+    """A custom sampler under Lightning's use_distributed_sampler: DistributedSamplerWrapper
+    (shuffle=True), a permutation of the sampler's own order seeded with seed + epoch."""
+    from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
+
+    class EvensFirst(Sampler[int]):
+        def __init__(self, n):
+            self.n = n
+
+        def __iter__(self):
+            return iter([*range(0, self.n, 2), *range(1, self.n, 2)])
+
+        def __len__(self):
+            return self.n
+
+    n, world, b = 19, 2, 3
+    ours = [DataLoader(range(n), batch_size=b, sampler=EvensFirst(n)) for _ in range(world)]
+    for rank, dl in enumerate(ours):
+        assert shard_loader(dl, rank, world, pad=True, shuffle=True)
+        seed_shuffle(dl, 3, 1)
+        wrapper = DistributedSamplerWrapper(
+            EvensFirst(n), num_replicas=world, rank=rank, shuffle=True, seed=3
+        )
+        wrapper.set_epoch(1)
+        assert _batches(dl) == _batches(DataLoader(range(n), batch_size=b, sampler=wrapper))
+
+
+def test_a_shuffle_sampler_keeps_its_own_order_in_a_shuffled_shard():
+    """engine's ShuffleSampler is already the epoch's order: dealt as it is, so one process and
+    W ranks read the same global batches."""
+    n, world = 12, 2
+    ours = _ranks(
+        lambda: DataLoader(range(n), batch_size=3, sampler=ShuffleSampler(n, seed=4)),
+        world,
+        pad=True,
+    )
+    for dl in ours:
+        assert shard_loader(dl, ours.index(dl), world, pad=True, shuffle=True)
+        seed_shuffle(dl, 4, 0)
+    whole = list(ShuffleSampler(n, seed=4))
+    assert _flat(ours[0]) == whole[0::2] and _flat(ours[1]) == whole[1::2]
+
+
 @pytest.mark.parametrize("make_sampler", ["random", "shuffle"])
 def test_every_rank_deals_the_same_seeded_order(make_sampler):
     """The difference from DistributedSampler with shuffle: the order is the engine's (a

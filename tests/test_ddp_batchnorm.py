@@ -343,6 +343,10 @@ SCRIPT = textwrap.dedent(
     g = torch.Generator().manual_seed(1)
     ds = TensorDataset(torch.randn(96, 6, generator=g) + 0.5, torch.randn(96, 3, generator=g))
     loader = DataLoader(ds, batch_size=args["batch"], shuffle=True)
+    if args.get("distributed_order"):  # one process reading the order DDP deals out
+        from torch.utils.data import DistributedSampler
+        order = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
+        loader = DataLoader(ds, batch_size=args["batch"], sampler=order)
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
         torch.nn.Linear(16, 3),
@@ -385,7 +389,14 @@ def test_trainer_sync_batchnorm_under_torchrun_trains_as_one_process(tmp_path):
     script.write_text(SCRIPT)
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
-    single = {"strategy": "auto", "devices": 1, "batch": 16, "sync": False, "root": str(one)}
+    single = {
+        "strategy": "auto",
+        "devices": 1,
+        "batch": 16,
+        "sync": False,
+        "root": str(one),
+        "distributed_order": True,
+    }  # the order DDP deals over its ranks, as Lightning's
     _run([sys.executable, str(script), json.dumps(single)])
     ddp = {"strategy": "ddp", "devices": 2, "batch": 8, "sync": True, "root": str(two)}
     _run(

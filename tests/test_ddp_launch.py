@@ -52,6 +52,10 @@ SCRIPT = textwrap.dedent(
         g = torch.Generator().manual_seed(1)
         ds = TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g))
         loader = DataLoader(ds, batch_size=args["batch"], shuffle=True)
+        if args.get("distributed_order"):  # one process reading the order DDP deals out
+            from torch.utils.data import DistributedSampler
+            order = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
+            loader = DataLoader(ds, batch_size=args["batch"], sampler=order)
         model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
                                     torch.nn.Linear(16, 3))
         options = {"first": LogOptions(on_step=True, on_epoch=True, sync_dist=args["sync"])}
@@ -129,10 +133,12 @@ def _ok(proc) -> None:
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The reference: one process on the whole batch (run once for the module)."""
+    """The reference: one process on the whole batch, reading the order DDP deals over its
+    ranks (Lightning's DistributedSampler(shuffle=True, seed=0)), run once for the module."""
     tmp_path = tmp_path_factory.mktemp("one")
     root = tmp_path / "one"
-    _ok(_run(tmp_path, {"strategy": "auto", "devices": 1, "batch": 16, "root": str(root)}))
+    args = {"strategy": "auto", "devices": 1, "batch": 16, "root": str(root)}
+    _ok(_run(tmp_path, {**args, "distributed_order": True}))
     (final,) = _finals(root)
     return final
 

@@ -42,6 +42,10 @@ SCRIPT = textwrap.dedent(
     n = args.get("n", 160)
     ds = TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g))
     loader = DataLoader(ds, batch_size=args["batch"], shuffle=args.get("shuffle", True))
+    if args.get("distributed_order"):  # one process reading the order DDP deals out (Lightning's)
+        from torch.utils.data import DistributedSampler
+        order = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
+        loader = DataLoader(ds, batch_size=args["batch"], sampler=order)
     val = DataLoader(ds, batch_size=7)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
@@ -175,9 +179,10 @@ def test_ddp_under_torchrun_trains_as_one_process_on_the_whole_batch(tmp_path):
     script = _script(tmp_path)
     one, two = tmp_path / "one", tmp_path / "two"
     common = {"accumulate": 2, "epochs": 2, "validate": True}
-    _ok(
-        _python(script, {**common, "devices": 1, "batch": 16, "root": str(one), "strategy": "auto"})
-    )
+    # DDP's training order is DistributedSampler(shuffle=True, seed=0)'s, as Lightning's: one
+    # process reading that order on the whole batch takes the same steps
+    one_rank = {**common, "devices": 1, "batch": 16, "root": str(one), "strategy": "auto"}
+    _ok(_python(script, {**one_rank, "distributed_order": True}))
     two_ranks = {**common, "devices": 2, "batch": 8, "root": str(two), "test": True}
     proc = _torchrun(script, two_ranks, real=True)
     _ok(proc)
@@ -209,7 +214,8 @@ def test_ddp_under_torchrun_trains_as_one_process_on_the_whole_batch(tmp_path):
 def test_ddp_launched_by_the_trainer_runs_the_script_on_each_rank(tmp_path):
     script = _script(tmp_path)
     one, two = tmp_path / "one", tmp_path / "two"
-    _ok(_python(script, {"devices": 1, "batch": 16, "root": str(one), "strategy": "auto"}))
+    single = {"devices": 1, "batch": 16, "root": str(one), "strategy": "auto"}
+    _ok(_python(script, {**single, "distributed_order": True}))  # the order DDP deals
     proc = _python(script, {"devices": 2, "batch": 8, "root": str(two), "strategy": "ddp"})
     _ok(proc)
     assert "rank 0 of 2 done" in proc.stdout and "rank 1 of 2 done" in proc.stdout

@@ -34,6 +34,10 @@ SCRIPT = textwrap.dedent(
     g = torch.Generator().manual_seed(1)
     ds = TensorDataset(torch.randn(160, 6, generator=g), torch.randn(160, 3, generator=g))
     loader = DataLoader(ds, batch_size=args["batch"], shuffle=True)
+    if args.get("distributed_order"):  # one process reading the order DDP deals out
+        from torch.utils.data import DistributedSampler
+        order = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
+        loader = DataLoader(ds, batch_size=args["batch"], sampler=order)
     val = DataLoader(ds, batch_size=args["batch"])
     model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
     task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.adamw(1e-2, weight_decay=0.01),
@@ -75,7 +79,10 @@ def _script(tmp_path: Path) -> Path:
 def test_fsdp_fit_validate_test_predict_equal_one_process_and_ddp(tmp_path):
     script = _script(tmp_path)
     one, ddp, fsdp = tmp_path / "one", tmp_path / "ddp", tmp_path / "fsdp"
-    _ok(_python(script, {"devices": 1, "batch": 16, "root": str(one), "strategy": "auto"}))
+    # one process reading the order DDP and FSDP deal over ranks (Lightning's
+    # DistributedSampler(shuffle=True, seed=0)) on the whole batch
+    single = {"devices": 1, "batch": 16, "root": str(one), "strategy": "auto"}
+    _ok(_python(script, {**single, "distributed_order": True}))
     _ok(_torchrun(script, {"devices": 2, "batch": 8, "root": str(ddp), "strategy": "ddp"}))
     _ok(_torchrun(script, {"devices": 2, "batch": 8, "root": str(fsdp), "strategy": "fsdp"}))
     a, d, f = _final(one), _final(ddp), _final(fsdp)

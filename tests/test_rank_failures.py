@@ -272,11 +272,12 @@ def test_a_reloaded_loader_of_other_lengths_fails_on_every_rank_before_its_epoch
 
 def _uneven_evaluation(rank: int, root: str) -> dict:
     """FSDP validation of 11 samples in batches of 1 (unpadded: 6 batches on rank 0, 5 on
-    rank 1, and rank 0's last forward would gather alone), then with drop_last=True, then of a
-    multiple of the world size: each rank's batches and the warnings."""
+    rank 1, and rank 0's last forward would gather alone), then with the user's own
+    DistributedSampler(drop_last=True), then of a multiple of the world size: each rank's
+    batches and the warnings."""
     import warnings
 
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, DistributedSampler
 
     class Count(eg.Listener):
         batches = 0
@@ -287,7 +288,14 @@ def _uneven_evaluation(rank: int, root: str) -> dict:
     task, out = _task(), {}
     for name, loader in (
         ("uneven", DataLoader(_data(11), batch_size=1)),
-        ("drop_last", DataLoader(_data(11), batch_size=1, drop_last=True)),
+        (
+            "drop_last",
+            DataLoader(
+                _data(11),
+                batch_size=1,
+                sampler=DistributedSampler(_data(11), 2, rank, shuffle=False, drop_last=True),
+            ),
+        ),
         ("even", DataLoader(_data(12), batch_size=1)),
     ):
         count = Count()
@@ -297,7 +305,7 @@ def _uneven_evaluation(rank: int, root: str) -> dict:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             trainer.validate(task, task.init(torch.nn.Linear(6, 3)), loader, verbose=False)
-        said = [str(w.message) for w in seen if "FSDP: every forward" in str(w.message)]
+        said = [str(w.message) for w in seen if "FSDP: evaluation shards" in str(w.message)]
         out[name] = {"said": said, "batches": count.batches}
     return out
 
@@ -315,7 +323,9 @@ def test_fsdp_pads_evaluation_shards_so_every_rank_runs_as_many_forwards(tmp_pat
         "the validation dataloader (11 samples in 11 batches) repeats 1 sample of its order"
         in message
     )
-    assert "multiple of 2 samples" in message and "drop_last=True" in message
+    assert (
+        "multiple of 2 samples" in message and "DistributedSampler(..., drop_last=True)" in message
+    )
     assert rank0["drop_last"]["batches"] == rank1["drop_last"]["batches"] == 5
     assert rank0["even"]["batches"] == rank1["even"]["batches"] == 6
     for r in (rank0, rank1):

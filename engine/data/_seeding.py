@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from engine.data._sharding import _Shard, _shard_of
 from engine.data._wrappers import _base, _user_batch_sampler
 from engine.rng import derive_seed
 
@@ -139,6 +140,10 @@ class ShuffleSampler(Sampler[int]):
         True
     """
 
+    #: Already each epoch's own order: a data-parallel training shard deals it as it is (a
+    #: torch sampler's order is replaced by ``DistributedSampler``'s, as Lightning does).
+    epoch_order = True
+
     def __init__(self, data_source: Sized | int, *, seed: int = 0, shuffle: bool = True) -> None:
         self.n = data_source if isinstance(data_source, int) else len(data_source)
         self.keyed = isinstance(data_source, SeededDataset)
@@ -225,6 +230,10 @@ def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
     generator, which no checkpoint holds. Seeded, the order is a pure function of the run's seed
     and the epoch, so a resumed or replayed run sees the same batches.
 
+    A loader :func:`shard_loader` sharded with ``shuffle=True`` (a data-parallel training
+    loader) is told the epoch too: its order is ``DistributedSampler(seed=seed)``'s after
+    ``set_epoch(epoch)``, the permutation seeded with ``seed + epoch``, as Lightning's.
+
     Example:
         >>> import torch
         >>> from torch.utils.data import DataLoader
@@ -241,6 +250,9 @@ def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
         >>> loader.sampler.generator is None
         True
     """
+    shard = _shard_of(loader)
+    if isinstance(shard, _Shard):  # a data-parallel training shard: DistributedSampler's order
+        shard.set_epoch(seed, epoch)
     s = _random_sampler(loader)
     if s is None or not _seedable(s):
         return False

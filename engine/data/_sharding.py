@@ -18,6 +18,9 @@ from engine.data._wrappers import (
     _Wrapper,
 )
 
+# the samplers Lightning replaces with a DistributedSampler over the dataset
+_REPLACED = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
+
 
 def _dealt(n: int, world: int, pad: bool, drop_last: bool) -> int:
     """How many positions of an order of ``n`` items are dealt out to ``world`` ranks: padded
@@ -54,23 +57,61 @@ class _Shard(_Wrapper):
     (:func:`_dealt`) and yields its global positions ``start + rank, start + rank + world, ...``
     ``start`` is a global position, a multiple of ``world``; the length is the rank's whole
     epoch's, as ``ShuffleSampler``'s during a resumed epoch.
+
+    ``shuffle``: the order is ``DistributedSampler(shuffle=True)``'s instead, the permutation
+    ``torch.randperm(n)`` drawn from a generator seeded with ``seed + epoch`` (:meth:`set_epoch`)
+    of the dataset's indices (over a torch ``RandomSampler`` or ``SequentialSampler``, which it
+    replaces) or of the wrapped sampler's order (Lightning's ``DistributedSamplerWrapper``).
+    A sampler whose ``epoch_order`` is true (engine's :class:`ShuffleSampler`: already the
+    epoch's seeded shuffle) keeps its own order.
     """
 
-    def __init__(self, batch_sampler: Any, sampler: Any, rank: int, world: int, pad: bool) -> None:
+    def __init__(
+        self,
+        batch_sampler: Any,
+        sampler: Any,
+        rank: int,
+        world: int,
+        pad: bool,
+        shuffle: bool = False,
+    ) -> None:
         self.batch_sampler, self.sampler = batch_sampler, sampler
         self.rank, self.world, self.pad = rank, world, pad
+        self.shuffle = shuffle
+        self.seed, self.epoch = 0, 0
         self.start = 0
+
+    def set_epoch(self, seed: int, epoch: int) -> None:
+        """The epoch whose permutation a ``shuffle`` shard deals (``seed + epoch``, as
+        ``DistributedSampler.set_epoch`` with ``DistributedSampler(seed=seed)``)."""
+        self.seed, self.epoch = int(seed), int(epoch)
 
     def _total(self, n: int) -> int:
         return _dealt(n, self.world, self.pad, bool(self.batch_sampler.drop_last))
 
+    def _replaces(self) -> bool:
+        """Whether the order is a permutation of the dataset's indices (a ``shuffle`` shard
+        over a torch ``RandomSampler`` or ``SequentialSampler``, as Lightning replaces them)."""
+        return self.shuffle and type(self.sampler) in _REPLACED
+
+    def _order(self) -> list[Any]:
+        if not self.shuffle or getattr(_base(self.sampler), "epoch_order", False):
+            return list(self.sampler)
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        if self._replaces():
+            return torch.randperm(len(self.sampler.data_source), generator=g).tolist()
+        drawn = list(self.sampler)
+        return [drawn[i] for i in torch.randperm(len(drawn), generator=g).tolist()]
+
     def __iter__(self) -> Iterator[Any]:
-        order = list(self.sampler)
+        order = self._order()
         total = self._total(len(order))
         return iter(_deal(order, total, self.start, self.rank, self.world))
 
     def __len__(self) -> int:
-        return len(range(self.rank, self._total(len(self.sampler)), self.world))
+        n = len(self.sampler.data_source) if self._replaces() else len(self.sampler)
+        return len(range(self.rank, self._total(n), self.world))
 
 
 class _ShardBatches(_WrappedBatches):
@@ -106,7 +147,9 @@ def _shard_of(loader: Any) -> _Shard | _ShardBatches | None:
     return None
 
 
-def shard_loader(loader: Any, rank: int, world_size: int, *, pad: bool) -> bool:
+def shard_loader(
+    loader: Any, rank: int, world_size: int, *, pad: bool, shuffle: bool = False
+) -> bool:
     """Make ``loader`` yield rank ``rank`` of ``world_size``'s shard of each epoch's order, in
     place; returns whether it sharded. :func:`restore_loader` undoes it; a second call with the
     same arguments does nothing (other arguments start the shard again from the epoch's start).
@@ -126,6 +169,13 @@ def shard_loader(loader: Any, rank: int, world_size: int, *, pad: bool) -> bool:
     resume on another world size can start each new shard where it should
     (:func:`shard_start`); :func:`position_loader` skips a rank's first batches without
     loading them, and :func:`seed_batches` keys each batch by its global position.
+
+    ``shuffle=True`` deals ``DistributedSampler(shuffle=True)``'s order instead, as Lightning's
+    ``use_distributed_sampler`` does for training: each epoch the permutation seeded with
+    ``seed + epoch`` (:func:`seed_shuffle` tells the shard both) of the dataset's indices, in
+    place of a torch ``RandomSampler`` or ``SequentialSampler`` (whatever the loader's
+    ``shuffle``), or of a custom sampler's order (Lightning's ``DistributedSamplerWrapper``); a
+    sampler with ``epoch_order`` (:class:`ShuffleSampler`) is dealt as it is.
 
     With a custom batch sampler, whole batches are dealt out: rank ``rank`` takes batches
     ``rank, rank + world_size, ...`` (``pad=True``: repeated from the first batch).
@@ -168,6 +218,8 @@ def shard_loader(loader: Any, rank: int, world_size: int, *, pad: bool) -> bool:
     if shard is not None:
         if (shard.rank, shard.world, shard.pad) != (rank, world_size, pad):
             shard.rank, shard.world, shard.pad, shard.start = rank, world_size, pad, 0
+        if isinstance(shard, _Shard):
+            shard.shuffle = shuffle
         return True
     distributed = torch.utils.data.DistributedSampler
     if isinstance(loader.sampler, distributed) or isinstance(
@@ -180,7 +232,7 @@ def shard_loader(loader: Any, rank: int, world_size: int, *, pad: bool) -> bool:
     parent: Any = bs  # the shard goes right above the base: it draws the whole order
     while isinstance(parent.sampler, _Wrapper):
         parent = parent.sampler
-    parent.sampler = _Shard(bs, parent.sampler, rank, world_size, pad)
+    parent.sampler = _Shard(bs, parent.sampler, rank, world_size, pad, shuffle)
     return True
 
 

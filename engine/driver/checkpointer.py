@@ -60,6 +60,8 @@ class RunRecord(NamedTuple):
     # the training data's position unit: samples per rank per batch (batches, for a loader
     # with its own batch sampler; None when unknown), extra["trainer"]["position_unit"]
     position_unit: int | None = None
+    # the fit's training order (Run.train_order), extra["trainer"]["train_order"]
+    train_order: str | None = None
     # inside an accumulation window on several ranks: the partial gradient sums of ranks
     # 1.. (rank 0's is the state's), gathered to rank 0 by Checkpointer.save
     rank_grad_accum: Sequence[Mapping[str, Any]] = ()
@@ -240,6 +242,8 @@ class Checkpointer:
                 # batches, global sample batch_idx * position_unit * world_size
                 "world_size": run.world_size,
                 "position_unit": run.position_unit,
+                # the training order (Run.train_order): kept by a resume on any world size
+                "train_order": run.train_order,
             },
             "config": run.config.to_json(),  # the flags the run was made with
             # the epoch's metric reduction so far: logged epoch means survive a resume bitwise

@@ -88,6 +88,8 @@ def restore(run: Run, ckpt_path: str | os.PathLike[str], template: TrainState) -
     else:  # a fit continues: what its listeners had seen, they see
         # the epoch's position in this world size's batches (another's: converted)
         saved = checkpoint.read_meta(path).get("extra", {}).get("trainer", {})
+        # the interrupted fit's training order (one saved before it was recorded: the loader's)
+        run.use_train_order(saved.get("train_order") or "loader")
         unit = positions.position_unit(run.train_dataloader)
         state, total = positions.carry_position(
             path,

@@ -24,7 +24,13 @@ from types import MappingProxyType
 from typing import Any
 
 from engine import transforms
-from engine.data import count_batches, limit_batches, resolve_loaders, restore_loader
+from engine.data import (
+    count_batches,
+    limit_batches,
+    resolve_loaders,
+    restore_loader,
+    shard_loader,
+)
 from engine.driver._signals import SignalCatcher
 from engine.driver.assembly import Assembly, is_a
 from engine.driver.checkpointer import Checkpointer, RunRecord
@@ -50,6 +56,9 @@ __all__ = ["Run"]
 
 #: the events fired inside a step (transforms.Observe): no transition answers them
 STEP_EVENTS = (Event.ON_BEFORE_BACKWARD, Event.ON_AFTER_BACKWARD, Event.ON_BEFORE_OPTIMIZER_STEP)
+
+
+DISTRIBUTED, LOADER = "distributed", "loader"  # a fit's training orders (Run.train_order)
 
 
 class Run:
@@ -108,6 +117,9 @@ class Run:
         self.val_loaded_at: int | None = None  # the epoch the val loaders were last fetched
         self._resolved: tuple[Any, Any] | None = None  # ckpt_path resolved early
         self._sharded: list[Any] = []  # loaders this run sharded, put back when it ends
+        #: the training order of this fit (:meth:`prepare_loaders`): ``"distributed"`` or
+        #: ``"loader"``; a resumed fit continues its checkpoint's (:meth:`use_train_order`)
+        self.train_order: str | None = None
         # bumped whenever the metrics or should_stop change: the listeners' view is rebuilt then
         self._version = 0
         self._snapshots_of = -1  # the version of the metrics' snapshots below
@@ -247,11 +259,38 @@ class Run:
         in place: put back when the run ends, and measured for ``strategy.agree_loaders()``,
         which each caller makes once its stages' loaders are ready); in one process, or with
         ``use_distributed_sampler=False``, the loaders as given."""
-        if self.world_size == 1 or not self.config.use_distributed_sampler:
+        dealt = self.config.use_distributed_sampler
+        if stage == "train" and self.train_order is None:
+            self.train_order = DISTRIBUTED if self.world_size > 1 and dealt else LOADER
+        if self.world_size == 1 or not dealt:
+            if stage == "train" and dealt and self.train_order == DISTRIBUTED:
+                return [self._in_train_order(dl) for dl in loaders]
             return loaders
         out = [self.strategy.shard(dl, stage) for dl in loaders]
         self._sharded.extend(out)
+        if stage == "train" and self.train_order == LOADER:
+            out = [self._in_train_order(dl) for dl in out]
         return out
+
+    def use_train_order(self, order: str) -> None:
+        """Continue the training order a checkpoint's fit had (``"distributed"``: Lightning's
+        ``DistributedSampler(shuffle=True)`` order, which a data-parallel fit deals; ``"loader"``:
+        the loader's own, a one-process fit's), whatever this run's world size: a fit resumed on
+        another world size sees each sample of the interrupted epoch once, and the epochs after
+        in the same order as the interrupted run would have."""
+        if order not in (DISTRIBUTED, LOADER) or order == self.train_order:
+            return
+        self.train_order = order
+        if self.train_dataloader is not None and self.config.use_distributed_sampler:
+            self._in_train_order(self.train_dataloader)
+
+    def _in_train_order(self, loader: Any) -> Any:
+        """``loader`` sharded over this run's ranks in :attr:`train_order` (one rank too)."""
+        shuffle = self.train_order == DISTRIBUTED
+        dealt = shard_loader(loader, self.global_rank, self.world_size, pad=True, shuffle=shuffle)
+        if dealt and not any(x is loader for x in self._sharded):
+            self._sharded.append(loader)
+        return loader
 
     def unshard(self) -> None:
         for loader in self._sharded:
@@ -628,6 +667,7 @@ class Run:
             datamodule=_datamodule_state(self.datamodule),
             world_size=self.world_size,
             position_unit=position_unit(self.train_dataloader),
+            train_order=self.train_order,
         )
 
 

@@ -408,10 +408,16 @@ class DDP(Strategy):
         from engine import data
 
         self._measure(loader, stage)
-        pad = stage == "train" or (
+        # Lightning's use_distributed_sampler: DistributedSampler(shuffle=True) for training
+        # and DistributedSampler(shuffle=False) for evaluation, both padded by repeating the
+        # order's first samples; prediction unpadded (its UnrepeatedDistributedSampler),
+        # except where every rank must run as many batches (a sharded model's forward)
+        pad = stage != "predict" or (
             self.evaluates_in_lockstep and not getattr(loader, "drop_last", False)
         )
-        sharded = data.shard_loader(loader, self.global_rank, world, pad=pad)
+        sharded = data.shard_loader(
+            loader, self.global_rank, world, pad=pad, shuffle=stage == "train"
+        )
         if sharded and pad and stage != "train":
             # what the padding repeats: samples, or whole batches of a custom batch sampler
             m = self._measured[-1]

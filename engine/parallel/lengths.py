@@ -156,10 +156,10 @@ def repeated(gathered: Sequence[Sequence[Length]], world: int) -> str | None:
     if not lines:
         return None
     return (
-        "every forward gathers the parameters on every rank, so every rank must run as many "
-        "evaluation batches: evaluation shards are padded as DistributedSampler pads them, and "
+        "evaluation shards are padded as Lightning's DistributedSampler pads them (every rank "
+        "runs as many batches), and "
         + "; ".join(lines)
-        + f": their metrics count those twice. For every sample once, give the loader a "
-        f"multiple of {world} samples, or drop_last=True (the last partial global batch is "
-        "dropped)"
+        + f": their metrics count those twice, as Lightning's do. For every sample once, give "
+        f"the loader a multiple of {world} samples, or a sampler of your own, "
+        "DistributedSampler(..., drop_last=True) (kept as it is)"
     )
