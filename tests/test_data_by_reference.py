@@ -167,7 +167,7 @@ def test_hparams_that_leave_out_an_argument_are_no_reference(tmp_path):
 
 def test_a_datamodule_drawing_from_the_global_generator_diverges_on_replay(tmp_path):
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match="records test_data_by_reference.Drawn by reference"):
+    with pytest.warns(UserWarning, match=r"records test_data_by_reference\.Drawn by reference"):
         run = _fit(tmp_path, datamodule=Drawn())
     assert references((run / "data.pkl").read_bytes())  # recorded by reference
     report = eg.replay(run, trust_code=True)  # Drawn() draws other rows now
@@ -235,7 +235,7 @@ def test_a_lightning_datamodule_with_save_hyperparameters_is_recorded_by_referen
     pytest.importorskip("pytorch_lightning")
     from _datamodules import LitRows, LitSums
 
-    with pytest.warns(UserWarning, match="records _datamodules.LitSums by reference"):
+    with pytest.warns(UserWarning, match=r"records _datamodules\.LitSums by reference"):
         run = _fit(tmp_path, datamodule=LitSums())
     payload = (run / "data.pkl").read_bytes()
     assert len(payload) < 64 * 2**10  # the 4 MiB its setup() made are not in it
@@ -245,3 +245,13 @@ def test_a_lightning_datamodule_with_save_hyperparameters_is_recorded_by_referen
     assert report.identical and report.steps == 8, str(report)
     # a dataset recording its arguments with Lightning's HyperparametersMixin
     assert _data.reference(LitRows(8, seed=1)).description == "_datamodules.LitRows(n=8, seed=1)"
+
+
+def test_the_warning_comes_once_data_pkl_is_written(tmp_path):
+    """Turned into an error, the warning still finds data.pkl whole on disk."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Journal: data.pkl")
+        with pytest.raises(UserWarning, match=r"records test_data_by_reference\.Sums by reference"):
+            _fit(tmp_path, datamodule=Sums(n=1024))
+    (payload,) = [p.read_bytes() for p in tmp_path.rglob("data.pkl")]
+    assert [where for where, _ in references(payload)] == ["the data source"]

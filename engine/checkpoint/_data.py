@@ -47,7 +47,7 @@ LARGE = 2**20  # a data.pkl past this size warns (once per class) that it pickle
 _warned: set[tuple[str, str]] = set()
 
 
-def dumps_data(source: Any, *, limit: int | None = None) -> bytes:
+def dumps_data(source: Any, *, limit: int | None = None, notes: list[str] | None = None) -> bytes:
     """Pickle a fit's training data source (a dataloader or a datamodule) for replay.
 
     A dataloader with ``persistent_workers`` is pickled without the iterator that keeps its
@@ -57,6 +57,10 @@ def dumps_data(source: Any, *, limit: int | None = None) -> bytes:
     does not pickle (an open file of its own), or pickles to more than ``limit`` bytes, is
     recorded as a :class:`Rebuild` when it has ``save_hyperparameters()`` arguments, even
     where they do not name all of its ``__init__``'s; else the error is raised.
+
+    What it has to say (once per class and process: a reference, a payload over :data:`LARGE`
+    bytes) is appended to ``notes`` when given (the Journal warns them once ``data.pkl`` is
+    written), else warned here.
 
     Raises:
         PayloadTooLarge: the payload passes ``limit`` bytes.
@@ -69,8 +73,8 @@ def dumps_data(source: Any, *, limit: int | None = None) -> bytes:
             source = copy.copy(source)
             source.__dict__["_iterator"] = None
         payload = dumps_code(source, limit=limit, by_reference=by_reference)
-        _said(found)
-        return _checked(payload, getattr(source, "dataset", source))
+        _said(found, notes)
+        return _checked(payload, getattr(source, "dataset", source), notes)
     detached = source
     if "trainer" in getattr(source, "__dict__", {}):
         detached = copy.copy(source)
@@ -85,8 +89,8 @@ def dumps_data(source: Any, *, limit: int | None = None) -> bytes:
         except Exception:  # an argument that does not pickle: try the object itself
             pass
         else:
-            _said([(ref, -1 if size is None else size)])
-            return _checked(payload, source)
+            _said([(ref, -1 if size is None else size)], notes)
+            return _checked(payload, source, notes)
     try:
         payload = dumps_code(detached, limit=limit, by_reference=by_reference)
     except Exception:
@@ -94,8 +98,8 @@ def dumps_data(source: Any, *, limit: int | None = None) -> bytes:
         if detached is source or hparams is None:
             raise
         return dumps_code(Rebuild(type(source), hparams), limit=limit)
-    _said(found)
-    return _checked(payload, source)
+    _said(found, notes)
+    return _checked(payload, source, notes)
 
 
 def reference(obj: Any) -> Rebuild | None:
@@ -292,28 +296,34 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
-def _said(refs: list[tuple[Rebuild, int]]) -> None:
-    """Warn, once per class, that each of ``refs`` is recorded by reference."""
+def _tell(message: str, notes: list[str] | None) -> None:
+    if notes is not None:
+        notes.append(message)
+    else:
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _said(refs: list[tuple[Rebuild, int]], notes: list[str] | None) -> None:
+    """Say, once per class, that each of ``refs`` is recorded by reference."""
     for ref, size in refs:
         key = ("reference", _name(ref.cls))
         if key in _warned:
             continue
         _warned.add(key)
         saved = f"instead of pickling its {_mib(size)}" if size >= 0 else "(it does not pickle)"
-        warnings.warn(
+        _tell(
             f"Journal: data.pkl records {_name(ref.cls)} by reference, as "
             f"{ref.description}, {saved}: a replay makes it again from these arguments. "
             "engine replay compares every replayed loss and fingerprint with the journal, so "
             f"a {ref.cls.__qualname__} that does not make the same data again (one that draws "
             "from the global random generator as it is made, or depends on more than these "
             "arguments) shows there as a divergence (said once per class)",
-            UserWarning,
-            stacklevel=3,
+            notes,
         )
 
 
-def _checked(payload: bytes, holder: Any) -> bytes:
-    """``payload``, after a warning (once per class) when it passes :data:`LARGE` bytes."""
+def _checked(payload: bytes, holder: Any, notes: list[str] | None) -> bytes:
+    """``payload``, after saying (once per class) that it passes :data:`LARGE` bytes."""
     if len(payload) <= LARGE:
         return payload
     cls = type(holder)
@@ -321,14 +331,13 @@ def _checked(payload: bytes, holder: Any) -> bytes:
     if key not in _warned:
         _warned.add(key)
         why = _why_pickled(holder)
-        warnings.warn(
+        _tell(
             f"Journal: data.pkl holds {_mib(len(payload))} of pickled data for {_name(cls)}, "
             f"because {why}. To record it by reference instead (a replay makes it again from "
             "its arguments), make the data in a LightningDataModule (or a dataset class) "
             "defined in an importable module, whose __init__ calls "
             "self.save_hyperparameters() (said once per class)",
-            UserWarning,
-            stacklevel=3,
+            notes,
         )
     return payload
 

@@ -133,7 +133,8 @@ class Rebuild:
     ``hparams_initial``). Calling it makes a new one, as ``Class(**kwargs)``.
 
     It pickles as ``(description, cls, kwargs)``, the description first: ``engine inspect``
-    reads it from the pickle's opcodes without unpickling anything (:func:`references`).
+    reads it from the pickle's opcodes without unpickling anything
+    (``engine.checkpoint._data.references``).
 
     Example:
         >>> from engine.checkpoint._pickling import Rebuild
@@ -185,7 +186,7 @@ def _rebuilt(description: str, cls: type, kwargs: Mapping[str, Any]) -> Any:
 
 
 # the functions a pickle calls for an object recorded by reference, each followed by its
-# description in the opcodes: engine inspect and replay's report read them (references)
+# description in the opcodes: engine inspect and replay's report read them (_data.references)
 REFERENCE_CALLS = {
     f"{__name__}._reference": "the data source",
     f"{__name__}._rebuilt": "inside the pickle",

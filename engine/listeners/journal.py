@@ -235,8 +235,14 @@ class Journal(Listener):
         source = run.datamodule if run.datamodule is not None else run.train_dataloader
         limit = self.max_data_bytes
         # by reference where it can be made again, else pickled (a datamodule without its
-        # trainer): engine.checkpoint._data
-        self._dump(root / DATA, "the training data", lambda: dumps_data(source, limit=limit))
+        # trainer): engine.checkpoint._data. What it says (a reference, a large pickle) is
+        # warned once data.pkl is written: a warning turned into an error leaves it whole
+        notes: list[str] = []
+        self._dump(
+            root / DATA, "the training data", lambda: dumps_data(source, limit=limit, notes=notes)
+        )
+        for note in notes:
+            warnings.warn(note, UserWarning, stacklevel=2)
 
     def claim(self, loggers: Sequence[Any], default_root_dir: str) -> str:
         """The run directory this journal will write (on rank 0 of a multi-process fit, before
