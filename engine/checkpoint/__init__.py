@@ -36,7 +36,8 @@ The package, by idea (each module private; the names below are re-exported here)
 * ``_files``, ``_meta``, ``_checksum``, ``_snapshot``, ``_tree``, ``_opt_fit``: the format (a
   directory's files, ``meta.json``'s schema, chunked checksums, host snapshots, trees as JSON,
   whose optimizer state a checkpoint holds)
-* ``_writable``, ``_pickling``: whole-file writes of a run's directory and its code pickles
+* ``_writable``, ``_pickling``, ``_data``: whole-file writes of a run's directory, its code
+  pickles, and what its ``data.pkl`` records (by reference, or pickled)
 """
 
 from __future__ import annotations

@@ -1,19 +1,20 @@
 """Pickling a run's code for replay (private): cloudpickle that keeps file names and source
-lines, stops at a size limit, and reduces a model's weights to shapes.
+lines, stops at a size limit, reduces a model's weights to shapes, and records an object by
+reference (:class:`Rebuild`: its class and arguments) where asked. The training data's choice
+of what to record is ``_data``'s.
 
 Everything here that loads runs code from its input: only for trusted run directories.
 """
 
 from __future__ import annotations
 
-import copy
 import io
 import linecache
 import os
 import pickle
 import types
 from collections import ChainMap
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -27,7 +28,6 @@ __all__ = [
     "Rebuild",
     "dump_skeleton",
     "dumps_code",
-    "dumps_data",
     "load_skeleton",
     "loads_code",
 ]
@@ -61,14 +61,23 @@ class _Capped(io.BytesIO):
         return n
 
 
-def dumps_code(obj: Any, *, shapes_only: Iterable[Tensor] = (), limit: int | None = None) -> bytes:
+def dumps_code(
+    obj: Any,
+    *,
+    shapes_only: Iterable[Tensor] = (),
+    limit: int | None = None,
+    by_reference: Callable[[Any], Rebuild | None] | None = None,
+) -> bytes:
     """Pickle ``obj`` with cloudpickle, keeping what a debugger needs and dropping weights.
 
     Code pickled by value keeps its file name, and the source lines of those files travel in the
     payload, so tracebacks of a replay (anomaly detection's forward traceback, say) show the
     original lines even where the script is gone. The tensors in ``shapes_only`` are reduced to
     their shape and dtype (they load as ``meta`` tensors). With ``limit``, pickling stops with
-    :class:`PayloadTooLarge` as soon as the payload passes that many bytes.
+    :class:`PayloadTooLarge` as soon as the payload passes that many bytes. ``by_reference``
+    is asked about each object met (not the atoms: numbers, strings, plain containers); where
+    it returns a :class:`Rebuild`, the object is pickled as that call (nothing of its own
+    state), and unpickling makes it again.
     """
     import cloudpickle
 
@@ -94,6 +103,10 @@ def dumps_code(obj: Any, *, shapes_only: Iterable[Tensor] = (), limit: int | Non
             if isinstance(x, Tensor) and id(x) in ids:
                 shape = tuple(x.shape)
                 return _meta_tensor, (shape, x.dtype, isinstance(x, nn.Parameter), x.requires_grad)
+            if by_reference is not None and not isinstance(x, type | Tensor):
+                rebuild = by_reference(x)
+                if rebuild is not None:  # made again on loading, as cls(**kwargs)
+                    return _rebuilt, (rebuild.description, rebuild.cls, rebuild.kwargs)
             return super().reducer_override(x)
 
     buf = _Capped(limit)
@@ -115,9 +128,20 @@ def loads_code(payload: bytes) -> Any:
 
 
 class Rebuild:
-    """How to make a datamodule again: its class and the keyword arguments its
-    ``save_hyperparameters()`` recorded (Lightning's ``hparams_initial``), for one that does not
-    pickle itself. Calling it makes a new one, as ``Class(**hparams)``."""
+    """How to make an object again: its class and the keyword arguments it was made with (a
+    datamodule's or dataset's ``save_hyperparameters()`` record, Lightning's
+    ``hparams_initial``). Calling it makes a new one, as ``Class(**kwargs)``.
+
+    It pickles as ``(description, cls, kwargs)``, the description first: ``engine inspect``
+    reads it from the pickle's opcodes without unpickling anything
+    (``engine.checkpoint._data.references``).
+
+    Example:
+        >>> from engine.checkpoint._pickling import Rebuild
+        >>> r = Rebuild(dict, {"a": 1})
+        >>> r(), r.description
+        ({'a': 1}, 'builtins.dict(a=1)')
+    """
 
     def __init__(self, cls: type, kwargs: Mapping[str, Any]) -> None:
         self.cls, self.kwargs = cls, dict(kwargs)
@@ -125,37 +149,48 @@ class Rebuild:
     def __call__(self) -> Any:
         return self.cls(**self.kwargs)
 
+    @property
+    def description(self) -> str:
+        """``module.Class(name=value, ...)``, each value's repr cut to 60 characters."""
+        return _call_text(self.cls, self.kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _reference, (self.description, self.cls, self.kwargs)
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
         return f"{self.cls.__qualname__}({args})"
 
 
-def dumps_data(source: Any, *, limit: int | None = None) -> bytes:
-    """Pickle a fit's training data source (a dataloader or a datamodule) for replay.
+def _call_text(cls: type, kwargs: Mapping[str, Any]) -> str:
+    def short(v: Any) -> str:
+        try:
+            text = repr(v)
+        except Exception:  # a repr that fails: name the type
+            text = f"<{type(v).__qualname__}>"
+        return text if len(text) <= 60 else text[:57] + "..."
 
-    A dataloader with ``persistent_workers`` is pickled without the iterator that keeps its
-    workers. A datamodule is pickled without its ``trainer`` (the Trainer it was attached to,
-    which holds open files and threads; a replay attaches its own, as a fit does). One that
-    still does not pickle (an open file of its own), or pickles to more than ``limit`` bytes (a
-    dataset held in memory), is recorded as a :class:`Rebuild`, its class and the arguments its
-    ``save_hyperparameters()`` recorded, when it has them; else the error is raised.
-    """
-    if isinstance(source, torch.utils.data.DataLoader) and source._iterator is not None:
-        # persistent_workers keeps its worker processes' iterator: a replay starts its own
-        detached_loader = copy.copy(source)
-        detached_loader.__dict__["_iterator"] = None
-        return dumps_code(detached_loader, limit=limit)
-    if "trainer" not in getattr(source, "__dict__", {}):
-        return dumps_code(source, limit=limit)
-    detached = copy.copy(source)
-    detached.__dict__["trainer"] = None
-    try:
-        return dumps_code(detached, limit=limit)
-    except Exception:
-        hparams = getattr(source, "hparams_initial", None) or getattr(source, "hparams", None)
-        if not isinstance(hparams, Mapping):
-            raise
-        return dumps_code(Rebuild(type(source), hparams), limit=limit)
+    args = ", ".join(f"{k}={short(v)}" for k, v in kwargs.items())
+    return f"{cls.__module__}.{cls.__qualname__}({args})"
+
+
+def _reference(description: str, cls: type, kwargs: Mapping[str, Any]) -> Rebuild:
+    """Unpickle a :class:`Rebuild` (``description`` is for readers of the opcodes only)."""
+    return Rebuild(cls, kwargs)
+
+
+def _rebuilt(description: str, cls: type, kwargs: Mapping[str, Any]) -> Any:
+    """Unpickle an object recorded by reference inside a pickle (``dumps_code(...,
+    by_reference=...)``): it is made again here, as ``cls(**kwargs)``."""
+    return cls(**kwargs)
+
+
+# the functions a pickle calls for an object recorded by reference, each followed by its
+# description in the opcodes: engine inspect and replay's report read them (_data.references)
+REFERENCE_CALLS = {
+    f"{__name__}._reference": "the data source",
+    f"{__name__}._rebuilt": "inside the pickle",
+}
 
 
 def dump_skeleton(state: TrainState) -> bytes:

@@ -67,6 +67,35 @@ def describe_pickle(path: Path) -> str:
     return f"{first}{held}"
 
 
+def describe_data(path: Path) -> dict[str, Any]:
+    """How ``data.pkl`` records the training data, from its opcodes: ``recorded`` (``"by
+    reference"``: the data source's class and arguments, which a replay calls; ``"pickled"``;
+    or ``"pickled, datasets by reference"``: a loader pickled with its datasets recorded by
+    reference), ``references`` (those calls, ``module.Class(name=value, ...)``) and
+    ``holds`` (the line ``engine inspect`` prints)."""
+    from engine.checkpoint._data import references
+
+    try:
+        found = references(path.read_bytes())
+    except Exception as e:  # a damaged or foreign file: say so, do not fail the listing
+        return {"holds": f"not readable as engine's pickle ({type(e).__name__})"}
+    calls = [text for _, text in found]
+    if any(where == "the data source" for where, _ in found):
+        return {
+            "recorded": "by reference",
+            "references": calls,
+            "holds": f"by reference: {'; '.join(calls)} (a replay makes it again)",
+        }
+    held = f"pickled: {describe_pickle(path)}"
+    if not calls:
+        return {"recorded": "pickled", "references": [], "holds": held}
+    return {
+        "recorded": "pickled, datasets by reference",
+        "references": calls,
+        "holds": f"{held}; by reference in it: {'; '.join(calls)} (a replay makes it again)",
+    }
+
+
 def inspect_run_dir(path: Path) -> dict[str, Any]:
     """A run directory's parts: each file and checkpoint with its size, the journal's starts
     and last step, the flags' world size and precision."""
@@ -81,7 +110,9 @@ def inspect_run_dir(path: Path) -> dict[str, Any]:
                 entry["kind"] = "checkpoint"
         else:
             entry["kind"] = _WHAT.get(p.name, "tensorboard events" if "tfevents" in p.name else "")
-            if p.suffix == ".pkl":
+            if p.name == "data.pkl":
+                entry.update(describe_data(p))
+            elif p.suffix == ".pkl":
                 entry["holds"] = describe_pickle(p)
         files.append(entry)
     out: dict[str, Any] = {

@@ -227,14 +227,22 @@ class Journal(Listener):
         self._size = os.fstat(self._file.fileno()).st_size
         if not self.replayable or rec.state is None:
             return
-        from engine.checkpoint._pickling import dump_skeleton, dumps_code, dumps_data
+        from engine.checkpoint._data import dumps_data
+        from engine.checkpoint._pickling import dump_skeleton, dumps_code
 
         self._dump(root / TASK, "the task", lambda: dumps_code(run.task))
         self._dump(root / MODEL, "the model's structure", lambda: dump_skeleton(rec.state))
         source = run.datamodule if run.datamodule is not None else run.train_dataloader
         limit = self.max_data_bytes
-        # a datamodule without its trainer, or as its class and hyperparameters (dumps_data)
-        self._dump(root / DATA, "the training data", lambda: dumps_data(source, limit=limit))
+        # by reference where it can be made again, else pickled (a datamodule without its
+        # trainer): engine.checkpoint._data. What it says (a reference, a large pickle) is
+        # warned once data.pkl is written: a warning turned into an error leaves it whole
+        notes: list[str] = []
+        self._dump(
+            root / DATA, "the training data", lambda: dumps_data(source, limit=limit, notes=notes)
+        )
+        for note in notes:
+            warnings.warn(note, UserWarning, stacklevel=2)
 
     def claim(self, loggers: Sequence[Any], default_root_dir: str) -> str:
         """The run directory this journal will write (on rank 0 of a multi-process fit, before

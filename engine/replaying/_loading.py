@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine.checkpoint._data import references
 from engine.checkpoint._pickling import Rebuild, load_skeleton, loads_code
 from engine.listeners.journal import CONFIG, DATA, MODEL, TASK
 from engine.replaying._journal import _run_file
@@ -28,9 +29,10 @@ _REPLAYED_FLAGS = (
 )
 
 
-def _load_run(root: Path, data: Any) -> tuple[Any, bytes, Any, dict[str, Any]]:
+def _load_run(root: Path, data: Any) -> tuple[Any, bytes, Any, dict[str, Any], tuple[str, ...]]:
     """Unpickle the task and the data (runs code: trusted runs only) and read the model's
-    pickled structure; read the flags that decide what a step computes."""
+    pickled structure; read the flags that decide what a step computes. Last, the calls that
+    made the data again (``data.pkl``'s references, :mod:`engine.checkpoint._data`)."""
     for name in (TASK, MODEL):
         if not (root / name).is_file():
             raise ReplayError(
@@ -45,13 +47,16 @@ def _load_run(root: Path, data: Any) -> tuple[Any, bytes, Any, dict[str, Any]]:
         )
     model = _run_file(root, MODEL, "the model").read_bytes()
     load_skeleton(model, task.tx)  # fails here, before any step, if it cannot be rebuilt
+    rebuilt: tuple[str, ...] = ()
     if data is None:
         if not (root / DATA).is_file():
             raise ReplayError(
                 f"{root / DATA} is missing (the data source did not pickle, or was larger than "
                 "Journal(max_data_bytes=...)); pass the training data as replay(..., data=...)"
             )
-        data = loads_code(_run_file(root, DATA, "the data").read_bytes())
+        payload = _run_file(root, DATA, "the data").read_bytes()
+        rebuilt = tuple(text for _, text in references(payload))
+        data = loads_code(payload)  # a dataset recorded by reference is made again here
         if isinstance(data, Rebuild):  # a datamodule recorded as its class and hyperparameters
             data = data()
     config_path = root / CONFIG
@@ -60,7 +65,7 @@ def _load_run(root: Path, data: Any) -> tuple[Any, bytes, Any, dict[str, Any]]:
         if config_path.is_file()
         else {}
     )
-    return task, model, data, _flags(config)
+    return task, model, data, _flags(config), rebuilt
 
 
 def _privacy(ckpt: Any) -> Any:

@@ -91,6 +91,10 @@ class ReplayReport:
         losses_matched: for a divergence in the fingerprint alone, how many of the steps
             ``diverged_after + 1`` .. ``divergence.step`` had a journaled loss, all of which
             matched; else ``None``.
+        data_rebuilt: the calls that made the training data again, where ``data.pkl``
+            records it by reference (``module.Class(name=value, ...)``); empty where it was
+            pickled whole or passed as ``data=``. A divergence of such a run may come from data
+            that these calls do not make the same again.
     """
 
     run_dir: str
@@ -109,6 +113,7 @@ class ReplayReport:
     diverged_after: int | None = None
     first_divergent_step: int | None = None
     losses_matched: int | None = None
+    data_rebuilt: tuple[str, ...] = ()
 
     @property
     def identical(self) -> bool:
@@ -153,6 +158,14 @@ class ReplayReport:
             out = f"{head}; first divergence at {div}"
         else:
             out = f"{head}: bitwise identical ({self.compared} journaled values compared)"
+        if div is not None and self.data_rebuilt:
+            out += (
+                f"\nthe training data was made again from data.pkl's reference: "
+                f"{'; '.join(self.data_rebuilt)}; data that such a call does not make the "
+                "same again (drawn from the global random generator as it is made, or "
+                "depending on more than these arguments) diverges from the first step it "
+                "reads: pass the run's data as replay(..., data=...) to tell"
+            )
         if self.first_nonfinite_step is not None:
             loss = self.first_nonfinite_loss
             if loss is None:

@@ -79,7 +79,7 @@ def replay(
     if not trust_code:
         raise _untrusted(root)
     given = data
-    task, model, data, flags = _load_run(root, data)
+    task, model, data, flags, rebuilt = _load_run(root, data)
     world = flags["devices"] if flags.get("strategy") in ("ddp", "fsdp") else 1
     if world > 1 and detect_anomaly:
         raise ReplayError(
@@ -101,6 +101,7 @@ def replay(
                 start_step=int(start_line["step"]),
                 from_step=from_step,
                 to_step=to_step,
+                data_rebuilt=rebuilt,
                 **got,
             )
         transitions = _Transitions(root, journal, start_line)
@@ -126,6 +127,7 @@ def replay(
             first_nonfinite_step=checker.first_nonfinite,
             first_nonfinite_loss=checker.first_nonfinite_loss,
             losses=dict(checker.losses),
+            data_rebuilt=rebuilt,
             **outcome,
         )
     raise _no_start(root, from_step, passed)
@@ -170,7 +172,7 @@ def _replay_rank(
     root = Path(root_dir)
     journal = _Lines(root)
     start_line = journal.lines[start_index]
-    task, model, data, flags = _load_run(root, data)
+    task, model, data, flags, _ = _load_run(root, data)
     transitions = _Transitions(root, journal, start_line)
     kept = [x for x in journal.lines if id(x) not in transitions.deferred]
     rank = int(os.environ.get("RANK", "0"))
