@@ -1,0 +1,199 @@
+"""engine's deterministic data path against a plain ``DataLoader`` over the same dataset and
+workers: what seeding the order, seeding each batch's randomness, sharding by rank and resuming
+mid-epoch cost per batch.
+
+    python -m benchmarks.data            # one JSON object
+    python -m benchmarks.data --quick    # fewer rounds and samples
+
+The dataset is map-style, MNIST-sized (784 float32 features and a label a sample, held in
+memory) with a random augmentation drawn from torch's global generator in ``__getitem__`` (noise
+of the sample's size): what a real dataset with augmentation does, at the cheap end of loading,
+so the wrappers' share is as large as it gets. Batches of 128, ``persistent_workers`` when there
+are workers (the steady state of a fit's epochs, not the pool's start). Each case pairs engine's
+loader (a ``DataLoader`` wrapped as the Trainer wraps a training loader: :func:`seed_shuffle`,
+:func:`seed_batches`, :func:`position_loader` at the epoch's start, and :func:`shard_loader` for
+ranks) with the plain one it stands for:
+
+* ``shuffle_w{0,2,4}``: ``DataLoader(shuffle=True, num_workers=w)``; engine's draws the order
+  from ``(seed, epoch)`` and each batch's augmentation from ``(seed, epoch, batch)``;
+* ``shard_w{0,2}``: rank 0 of 2: a plain loader over ``DistributedSampler(shuffle=True)``;
+  engine's is the Trainer's data-parallel shard (Lightning's order) with the same seeding;
+* ``resumed_w{0,2}``: an epoch resumed at its middle: engine's skips the first half of rank 0's
+  batches without loading them (:func:`position_loader`); the plain one reads a sampler of the
+  remaining indices.
+
+Every variant is built once, then all are run *interleaved*, round by round (the order of the
+cases rotated; within a case three passes of each loader, alternating, the fastest of each
+kept), so drift in machine load hits them alike; the garbage collector is off while timing, as
+``timeit`` does. A figure is the median over rounds of (engine's time per batch / the plain
+loader's in that round);
+``data_engine_vs_plain`` is the worst case's. Run it alone: worker processes share the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from engine.data import (
+    position_loader,
+    restore_loader,
+    seed_batches,
+    seed_shuffle,
+    shard_loader,
+)
+
+BATCH = 128
+SEED = 0
+
+
+class Augmented(Dataset):
+    """MNIST-sized samples in memory, each returned with noise from torch's global generator."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 784, generator=g)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn(784), self.y[i]
+
+
+class Listed(Sampler[int]):
+    """A fixed list of indices (the plain loader's resumed epoch)."""
+
+    def __init__(self, indices: list[int]) -> None:
+        self.indices = indices
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _loader(ds: Dataset, workers: int, **kwargs: Any) -> DataLoader:
+    return DataLoader(
+        ds,
+        batch_size=BATCH,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        **kwargs,
+    )
+
+
+def _engine(loader: DataLoader, *, rank: int | None = None, skip: int = 0) -> DataLoader:
+    """``loader`` wrapped as the Trainer wraps a training loader at epoch 0."""
+    if rank is not None:
+        assert shard_loader(loader, rank, 2, pad=True, shuffle=True)
+    seed_shuffle(loader, SEED, 0)
+    seed_batches(loader, SEED, 0)
+    position_loader(loader, 0, skip)
+    return loader
+
+
+def cases(n: int) -> dict[str, tuple[Callable[[], Iterable], Callable[[], Iterable]]]:
+    """Each case: (engine's pass, the plain loader's pass), as callables that build the pass."""
+    ds = Augmented(n)
+    out: dict[str, tuple[Callable[[], Iterable], Callable[[], Iterable]]] = {}
+    for w in (0, 2, 4):
+        ours, plain = _loader(ds, w, shuffle=True), _loader(ds, w, shuffle=True)
+        out[f"shuffle_w{w}"] = (_repeat(lambda o=ours: _engine(o)), _repeat(lambda p=plain: p))
+    for w in (0, 2):
+        ours = _loader(ds, w, shuffle=True)
+        sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=SEED)
+        plain = _loader(ds, w, sampler=sampler)
+        out[f"shard_w{w}"] = (
+            _repeat(lambda o=ours: _engine(o, rank=0)),
+            _repeat(lambda p=plain: p),
+        )
+    for w in (0, 2):
+        ours = _loader(ds, w, shuffle=True)
+        half = n // BATCH // 2
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(SEED)).tolist()
+        plain = _loader(ds, w, sampler=Listed(order[half * BATCH :]))
+        out[f"resumed_w{w}"] = (
+            _repeat(lambda o=ours, h=half: _engine(o, skip=h)),
+            _repeat(lambda p=plain: p),
+        )
+    return out
+
+
+def _repeat(make: Callable[[], DataLoader]) -> Callable[[], Iterable]:
+    def one_pass() -> Iterable:
+        loader = make()
+        try:
+            return [b for b in loader]
+        finally:
+            restore_loader(loader)
+
+    return one_pass  # type: ignore[return-value]
+
+
+def measure(n: int, rounds: int) -> dict[str, Any]:
+    built = cases(n)
+    for ours, plain in built.values():  # warm up: worker pools started, first pass paid
+        ours(), plain()
+    ratios: dict[str, list[float]] = {k: [] for k in built}
+    per_batch: dict[str, list[float]] = {k: [] for k in built}
+    names = list(built)
+    gc.disable()  # as timeit: a collection landing in one pass and not the other is noise
+    try:
+        for r in range(rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                ours, plain = built[name]
+                best = {ours: float("inf"), plain: float("inf")}
+                pair = (ours, plain) if r % 2 == 0 else (plain, ours)
+                for run in pair * 3:
+                    t0 = time.perf_counter()
+                    batches = run()
+                    best[run] = min(best[run], (time.perf_counter() - t0) / len(batches))
+                ratios[name].append(best[ours] / best[plain])
+                per_batch[name].append(best[plain])
+    finally:
+        gc.enable()
+    figures = {
+        name: {
+            "engine_vs_plain": statistics.median(ratios[name]),
+            "plain_ms_per_batch": 1e3 * statistics.median(per_batch[name]),
+            "rounds": [round(x, 3) for x in ratios[name]],
+        }
+        for name in built
+    }
+    worst = max(figures, key=lambda k: figures[k]["engine_vs_plain"])
+    return {
+        "samples": n,
+        "batch_size": BATCH,
+        "cases": figures,
+        "data_engine_vs_plain": figures[worst]["engine_vs_plain"],
+        "worst_case": worst,
+        "torch": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer rounds and samples")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    out = measure(n=4096 if args.quick else 16384, rounds=5 if args.quick else 11)
+    json.dump(out, sys.stdout, indent=2)
+    print()
+    return out
+
+
+if __name__ == "__main__":
+    main()
