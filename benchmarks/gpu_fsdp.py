@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import engine as eg
 from benchmarks import fsdp as bench
@@ -160,7 +160,15 @@ def trainer(ranks: Ranks, sizes: dict[str, int], root: Path) -> dict[str, Any]:
         state = t.fit(
             task,
             task.init(bench.model(width, sizes["blocks"], seed=0), seed=0),
-            DataLoader(data, batch_size=batch),  # no shuffle: the shards interleave positions
+            # data parallel reads DistributedSampler(shuffle=True, seed=0)'s order (as
+            # Lightning); one device reads the same order on the whole batch
+            DataLoader(data, batch_size=batch)
+            if devices > 1
+            else DataLoader(
+                data,
+                batch_size=batch,
+                sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0),
+            ),
             DataLoader(data, batch_size=batch),
         )
         ranks.sync()
