@@ -263,15 +263,7 @@ def trainer(ranks: Ranks, shape: Any, root: Path) -> dict[str, Any]:
         state = t.fit(
             task,
             task.init(mlp(sizes, seed=0), seed=0),
-            # data parallel reads DistributedSampler(shuffle=True, seed=0)'s order (as
-            # Lightning); one device reads the same order on the whole batch
-            DataLoader(data, batch_size=batch)
-            if devices > 1
-            else DataLoader(
-                data,
-                batch_size=batch,
-                sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0),
-            ),
+            training_loader(data, batch, devices),
             DataLoader(data, batch_size=batch),
         )
         ranks.sync()
@@ -295,6 +287,16 @@ def trainer(ranks: Ranks, shape: Any, root: Path) -> dict[str, Any]:
         out["val_loss_diff"] = abs(float(metrics["val/loss"]) - float(ref_metrics["val/loss"]))
     ranks.barrier()
     return out
+
+
+def training_loader(data: Any, batch: int, devices: int) -> DataLoader:
+    """The training loader of a fit on ``devices``: data parallel reads
+    ``DistributedSampler(shuffle=True, seed=0)``'s order (as Lightning does), so the one-device
+    reference reads that same order on the whole batch."""
+    if devices > 1:
+        return DataLoader(data, batch_size=batch)
+    order = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    return DataLoader(data, batch_size=batch, sampler=order)
 
 
 # ------------------------------------------------------------------------------ main

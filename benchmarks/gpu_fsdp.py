@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import engine as eg
 from benchmarks import fsdp as bench
-from benchmarks.gpu_ddp import Ranks
+from benchmarks.gpu_ddp import Ranks, training_loader
 from engine import optim, transforms
 
 SIZES = {"width": 4096, "blocks": 8, "batch": 64}
@@ -160,15 +160,7 @@ def trainer(ranks: Ranks, sizes: dict[str, int], root: Path) -> dict[str, Any]:
         state = t.fit(
             task,
             task.init(bench.model(width, sizes["blocks"], seed=0), seed=0),
-            # data parallel reads DistributedSampler(shuffle=True, seed=0)'s order (as
-            # Lightning); one device reads the same order on the whole batch
-            DataLoader(data, batch_size=batch)
-            if devices > 1
-            else DataLoader(
-                data,
-                batch_size=batch,
-                sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0),
-            ),
+            training_loader(data, batch, devices),
             DataLoader(data, batch_size=batch),
         )
         ranks.sync()
