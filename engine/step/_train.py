@@ -24,6 +24,7 @@ from engine.step._common import (
     _set_mode,
     _split,
 )
+from engine.step._blocks import block_core, micro_batches, pick, stack_metrics
 from engine.step._compile import _maybe_compile
 from engine.step._cores import (
     Forward,
@@ -38,7 +39,8 @@ from engine.step._model_view import Bind, _view
 
 
 class TrainStep:
-    """``(state, batch) -> (state, metrics)``: one micro-batch of training.
+    """``(state, batch) -> (state, metrics)``: one micro-batch of training (with
+    ``steps_per_call`` K > 1, ``(state, batches)``: K optimizer steps, see :meth:`__call__`).
 
     Built by :func:`train_step` (see there for the arguments) or, with step transforms, by
     :meth:`engine.transforms.Pipeline.train_step`: ``grad_fn`` (default :func:`grad_core`)
@@ -46,7 +48,9 @@ class TrainStep:
     applies them, and ``wrap_core`` wraps each of the two pure cores below (compilation).
     ``extra_keys`` names the ``TrainState.extra`` entries the gradient computation reads: each
     step passes them to it as :attr:`Forward.extra` (a transform's numbers kept as state, such
-    as DP-SGD's noise multiplier).
+    as DP-SGD's noise multiplier). ``fuse``: a call of ``steps_per_call`` whole windows runs as
+    one block core, wrapped as the two others (one graph when compiled); otherwise as single
+    steps (default: when ``compile`` is set).
     """
 
     def __init__(
@@ -66,8 +70,11 @@ class TrainStep:
         rank: int = 0,
         bind: Bind | None = None,
         extra_keys: tuple[str, ...] = (),
+        steps_per_call: int = 1,
+        fuse: bool | None = None,
     ) -> None:
         self.loss_fn = loss_fn
+        self.steps_per_call = _check_steps_per_call(steps_per_call)
         self._bind = bind  # the transforms' view of the parameters (Transform.bind)
         # the TrainState.extra entries the gradient computation reads (Forward.extra)
         self._extra_keys = extra_keys
@@ -84,6 +91,9 @@ class TrainStep:
         wrap = wrap_core or (lambda core: _maybe_compile(core, compile))
         self._update = wrap(self._update_core)
         self._accumulate = wrap(self._accumulate_core) if accumulate > 1 else self._accumulate_core
+        self._fuse = compile is not False if fuse is None else fuse
+        self._wrap = wrap
+        self._block: Callable | None = None  # the block core, wrapped at the first block
 
     _reader: Any = ()  # () until the first step looks for a frozen set in the optimizer state
 
@@ -148,33 +158,120 @@ class TrainStep:
         return grad_accum, metrics
 
     def __call__(
-        self, state: TrainState, batch: Batch, *, flush: bool = False
+        self, state: TrainState, batch: Batch, *, flush: bool = False, stacked: bool = False
     ) -> tuple[TrainState, Metrics]:
-        """Train on one micro-batch.
+        """Train on one micro-batch, or (``steps_per_call`` > 1, or ``stacked``) on several.
 
         Args:
             state: the current state; consumed unless the step was built with ``donate=False``.
-            batch: whatever ``loss_fn`` takes.
-            flush: step the optimizer after this micro-batch even if the accumulation window is
-                not full (Lightning does this on the last batch of an epoch).
+            batch: whatever ``loss_fn`` takes. With ``steps_per_call`` K > 1: a list or tuple of
+                such batches, one per micro-batch (K * ``accumulate`` for K optimizer steps), or
+                with ``stacked=True`` one batch whose tensors stack them along their first
+                dimension.
+            flush: step the optimizer after the (last) micro-batch even if the accumulation
+                window is not full (Lightning does this on the last batch of an epoch).
+            stacked: ``batch`` stacks the micro-batches along its tensors' first dimension.
 
         Returns:
             The new state and the metrics of this micro-batch (``"loss"`` plus the loss
-            function's own), as tensors.
+            function's own), as tensors. Of several: each metric stacked along a new first
+            dimension (per micro-batch; per optimizer step for what only a step reports, such
+            as ``grad_norm``).
+
+        A call of exactly K whole windows, from a state between windows, runs as one block:
+        with ``compile``, one graph for the K optimizer steps, its random numbers seeded once
+        for the block (equal to K single compiled steps within compile's tolerance where the
+        loss is not random). Any other call runs single steps, bitwise a loop of them.
         """
+        if self.steps_per_call == 1 and not stacked:
+            return self.one(state, batch, flush=flush)
+        return self.steps(state, batch, flush=flush, stacked=stacked)
+
+    def _own(self, state: TrainState) -> TrainState:
         if self.donate:
             state._consume("train_step")
-        else:
-            state = state.copy()
-        _set_mode(state.module, True)
-        micro = state.micro_step
-        apply = flush or micro + 1 >= self.accumulate
+            return state
+        return state.copy()
+
+    def one(
+        self, state: TrainState, batch: Batch, *, flush: bool = False
+    ) -> tuple[TrainState, Metrics]:
+        """One micro-batch, whatever ``steps_per_call`` is (the Trainer's calls between
+        blocks)."""
+        return self._one(self._own(state), batch, flush)
+
+    def steps(
+        self, state: TrainState, batches: Any, *, flush: bool = False, stacked: bool = False
+    ) -> tuple[TrainState, Metrics]:
+        """Several micro-batches, their metrics stacked (see :meth:`__call__`): one block when
+        they are ``steps_per_call`` whole windows from a state between windows."""
+        batches, n = micro_batches(batches, stacked=stacked)  # refused before it is consumed
+        state = self._own(state)
+        windows, partial = divmod(n, self.accumulate)
+        if (
+            self._fuse
+            and not partial
+            and windows == self.steps_per_call
+            and state.micro_step == 0
+            and state.grad_accum is None
+        ):
+            return self._run_block(state, batches, n, windows, stacked)
+        records = []
+        for i in range(n):
+            state, metrics = self._one(
+                state, pick(batches, i, stacked=stacked), flush and i == n - 1
+            )
+            records.append(metrics)
+        return state, stack_metrics(records)
+
+    def _frozen_and_extra(self, state: TrainState) -> tuple[Any, Any]:
         frozen = self._frozen(state.opt_state)
         extra = (
             {k: state.extra[k] for k in self._extra_keys if k in state.extra}
             if self._extra_keys
             else None
         )
+        return frozen, extra
+
+    def _run_block(
+        self, state: TrainState, batches: Any, n: int, windows: int, stacked: bool
+    ) -> tuple[TrainState, Metrics]:
+        """``windows`` optimizer steps over ``n`` micro-batches in one call of the block core
+        (``state`` is the step's own)."""
+        if self._block is None:
+            self._block = self._wrap(block_core(self))
+        _set_mode(state.module, True)
+        frozen, extra = self._frozen_and_extra(state)
+        seed = rng.derive_seed(state.seed, state.step, 0, rank=self._rank)
+        with rng.seeded(seed, self._rng_devices(state)):
+            opt_state, precision, metrics = self._block(
+                state.module,
+                state.params,
+                state.buffers,
+                state.opt_state,
+                state.precision,
+                state.step,
+                batches,
+                windows,
+                stacked,
+                frozen,
+                extra,
+            )
+        new = state.replace(
+            opt_state=opt_state,
+            precision=precision,
+            step=state.step + windows,
+            batch_idx=state.batch_idx + n,
+            _ownership=type(state._ownership)(),
+        )
+        return new, metrics
+
+    def _one(self, state: TrainState, batch: Batch, flush: bool) -> tuple[TrainState, Metrics]:
+        """One micro-batch (``state`` is the step's own: consumed or copied by the caller)."""
+        _set_mode(state.module, True)
+        micro = state.micro_step
+        apply = flush or micro + 1 >= self.accumulate
+        frozen, extra = self._frozen_and_extra(state)
         seed = rng.derive_seed(state.seed, state.step, micro, rank=self._rank)
         with rng.seeded(seed, self._rng_devices(state)):
             if apply:
@@ -230,6 +327,7 @@ def train_step(
     compile: bool | Mapping[str, Any] = False,
     clip: GradientTransformation | None = None,
     grad_norm: bool = False,
+    steps_per_call: int = 1,
 ) -> TrainStep:
     """Build a pure training step ``(state, batch) -> (state, metrics)``.
 
@@ -250,6 +348,12 @@ def train_step(
             ``gradient_clip_val`` goes here, so the optimizer state keeps its shape.
         grad_norm: report the total 2-norm of the gradients (before clipping) as the metric
             ``"grad_norm"`` on the calls that step the optimizer.
+        steps_per_call: K optimizer steps per call (Keras's ``steps_per_execution``): the
+            step takes a list of K * ``accumulate`` batches (or one stacked batch with
+            ``stacked=True``) and returns each metric stacked per micro-batch. With ``compile``
+            the K steps are one graph: one Python call and one set of guards for K steps,
+            which is what a small model's compiled step spends most of its time on. Eager, it
+            is bitwise K single steps.
 
     Example:
         >>> import torch, torch.nn.functional as F
@@ -263,6 +367,13 @@ def train_step(
         >>> state, metrics = step(state, batch)
         >>> state.step, sorted(metrics)
         (1, ['loss'])
+
+        Four optimizer steps per call:
+
+        >>> steps = eg.train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]), tx, steps_per_call=4)
+        >>> state, metrics = steps(state, [batch] * 4)
+        >>> state.step, metrics["loss"].shape
+        (5, torch.Size([4]))
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
@@ -287,4 +398,14 @@ def train_step(
         compile=compile,
         clip=clip,
         grad_norm=grad_norm,
+        steps_per_call=steps_per_call,
     )
+
+
+def _check_steps_per_call(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"steps_per_call must be a positive int, the optimizer steps one call makes "
+            f"(got {value!r}); 1 is a step per call"
+        )
+    return value

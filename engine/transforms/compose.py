@@ -329,9 +329,10 @@ class Pipeline:
         *,
         donate: bool = True,
         grad_norm: bool = False,
+        steps_per_call: int = 1,
     ) -> TrainStep:
         """The training step of ``loss_fn`` and ``tx`` under these transforms (see
-        :func:`engine.train_step` for ``donate`` and ``grad_norm``)."""
+        :func:`engine.train_step` for ``donate``, ``grad_norm`` and ``steps_per_call``)."""
         return TrainStep(
             loss_fn,
             tx,
@@ -344,6 +345,8 @@ class Pipeline:
             rank=self.strategy.global_rank,
             bind=self.bind_fn(),
             extra_keys=tuple(dict.fromkeys(k for t in self.transforms for k in t.reads_extra)),
+            steps_per_call=steps_per_call,
+            fuse=any(isinstance(t, Compile) for t in self.transforms),
         )
 
     def eval_step(self, fn: Callable[[Any, Any], Any], *, inference_mode: bool = True) -> EvalStep:
