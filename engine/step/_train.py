@@ -15,6 +15,7 @@ from engine import rng
 from engine.optim.base import GradientTransformation
 from engine.optim.freezing import frozen_reader
 from engine.state import TrainState
+from engine.step._blocks import block_core, micro_batches, pick, stack_metrics
 from engine.step._common import (
     Batch,
     LossFn,
@@ -24,7 +25,6 @@ from engine.step._common import (
     _set_mode,
     _split,
 )
-from engine.step._blocks import block_core, micro_batches, pick, stack_metrics
 from engine.step._compile import _maybe_compile
 from engine.step._cores import (
     Forward,
