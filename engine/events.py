@@ -267,6 +267,10 @@ class EventRecord:
             them in place changes the step.
         checkpoint_path: the checkpoint being written or read, for ``on_save_checkpoint`` /
             ``on_load_checkpoint``.
+        block: for ``on_train_batch_end`` after a block of ``steps_per_call`` optimizer steps
+            (one event for the block, its last batch's), every micro-batch's metrics, each
+            stacked along a first dimension (per optimizer step for what only a step reports,
+            such as ``grad_norm``); ``None`` after a single batch.
         checkpoint_future: for ``on_save_checkpoint`` of an asynchronous save, a future of the
             checkpoint's path that completes once it is on disk (or fails as the write did);
             None for a synchronous save, which is on disk before the next event. The write
@@ -292,6 +296,7 @@ class EventRecord:
     grads: Mapping[str, Any] | None = None
     checkpoint_path: str | None = None
     checkpoint_future: Future[Path] | None = None
+    block: Mapping[str, Any] | None = None
     transition: Transition | None = None
     cause: Event | None = None
 
@@ -570,6 +575,18 @@ class Listener:
     """
 
     rank_zero_only: bool = False
+
+    #: Under ``Trainer(steps_per_call=K)``: ``True`` lets this listener's training batch events
+    #: come once per block of up to K optimizer steps (the record is the block's last batch,
+    #: ``rec.block`` every micro-batch's metrics), ending blocks at the multiples of
+    #: :meth:`block_ends`. ``False`` (the default): it must see every batch, and the Trainer
+    #: runs one step per call, saying so. Only listeners with training batch events are asked.
+    handles_blocks: bool = False
+
+    def block_ends(self) -> tuple[int, ...]:
+        """With ``handles_blocks``: global-step intervals whose multiples must end a block
+        (the steps at which this listener reads the state). Default: none."""
+        return ()
 
     def state_dict(self) -> dict[str, Any]:
         return {}

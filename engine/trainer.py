@@ -41,7 +41,11 @@ class Trainer(RunViews):
     several).
 
     Engine-specific: ``compile`` (``True`` or ``torch.compile`` options) compiles the train and
-    eval steps; ``enable_journal`` (default ``True``, off with ``barebones`` and
+    eval steps; ``steps_per_call`` (Keras's ``steps_per_execution``, default 1) runs that many
+    optimizer steps per call of the training step, one graph under ``compile`` (see
+    ``docs/performance.md``: blocks end where the loop must see the state, batch events come
+    once per block, and listeners that must see every step make it 1, saying so);
+    ``enable_journal`` (default ``True``, off with ``barebones`` and
     ``fast_dev_run``) adds a :class:`~engine.listeners.Journal`, so each fit leaves a run
     directory that :func:`engine.replay` can re-execute and check bitwise. The flags
     ``precision`` takes Lightning's six precisions and their aliases
@@ -114,6 +118,7 @@ class Trainer(RunViews):
         reload_dataloaders_every_n_epochs: int = 0,
         default_root_dir: str | os.PathLike[str] | None = None,
         compile: bool | Mapping[str, Any] = False,
+        steps_per_call: int = 1,
         enable_journal: bool | None = None,
         enable_autolog_hparams: bool = True,
         model_registry: str | None = None,

@@ -50,6 +50,7 @@ class _Services:
 
     def __init__(self, step, stop_at_step=None):
         self.train_step, self.stop_at_step = step, stop_at_step
+        self.blocks = None  # a step per call
         self.events: list[tuple[str, int, Phase]] = []
         self.validations = 0
 

@@ -2,6 +2,9 @@
 eager, within compile's tolerance compiled), metrics for every micro-batch, bad input refused
 before the state is consumed."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -149,3 +152,176 @@ def test_compiled_block_is_one_graph_and_equals_single_compiled_steps():
     torch.testing.assert_close(
         torch.cat(losses), torch.stack([m["loss"] for m in ref_metrics]), rtol=1e-5, atol=1e-6
     )
+
+
+# ---------------------------------------------------------------- the Trainer's blocks
+
+
+def _data(n=20, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n * 8, 10, generator=g), torch.randint(0, 5, (n * 8,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def _fit(
+    tmp_path,
+    name,
+    *,
+    steps_per_call,
+    callbacks=(),
+    compile=False,
+    ckpt_path=None,
+    dropout=0.2,
+    **flags,
+):
+    tx = optim.adamw(1e-2)
+    task = eg.Task(_ce, tx)
+    state = eg.TrainState.create(_mlp(dropout), tx, seed=7)
+    trainer = eg.Trainer(
+        default_root_dir=tmp_path / name,
+        steps_per_call=steps_per_call,
+        callbacks=list(callbacks),
+        compile=compile,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **flags,
+    )
+    state = trainer.fit(task, state, train_dataloaders=_data(), ckpt_path=ckpt_path)
+    return trainer, state
+
+
+def _count_blocks(monkeypatch):
+    from engine.step._train import TrainStep
+
+    calls = []
+    steps = TrainStep.steps
+
+    def counting(self, state, batches, **kw):
+        calls.append((state.step, len(batches)))
+        return steps(self, state, batches, **kw)
+
+    monkeypatch.setattr(TrainStep, "steps", counting)
+    return calls
+
+
+def test_trainer_blocks_end_where_the_loop_looks_and_equal_single_steps(tmp_path, monkeypatch):
+    # 20 batches an epoch, K=4, logs every 5 steps: blocks may not hold step 5, 10, ...
+    # inside, so from step 0: a block (steps 1-4), a single (5), a block (6-9), a single ...
+    calls = _count_blocks(monkeypatch)
+    flags = dict(max_epochs=2, log_every_n_steps=5)
+    one, ref = _fit(tmp_path, "one", steps_per_call=1, **flags)
+    assert calls == []
+    four, got = _fit(tmp_path, "four", steps_per_call=4, **flags)
+    assert calls == [(s, 4) for s in (0, 5, 10, 15, 20, 25, 30, 35)]
+    _assert_states_equal(got, ref)  # eager: bitwise, dropout included
+    assert got.step == 40
+    # every step's metrics reached the loggers and the journal, as with one step per call
+    assert four.logged_metrics == one.logged_metrics
+
+    def journal(t):
+        lines = (Path(t.log_dir) / "journal.jsonl").read_text().splitlines()
+        return [
+            {k: v for k, v in json.loads(x).items() if k not in ("time", "wall")} for x in lines
+        ]
+
+    a, b = journal(one), journal(four)
+    assert [x.get("losses") for x in a] == [x.get("losses") for x in b]
+    assert any(x.get("losses") for x in a)
+
+
+def test_validation_points_and_max_steps_end_blocks(tmp_path, monkeypatch):
+    calls = _count_blocks(monkeypatch)
+    val = _data(3, seed=9)
+    tx = optim.adamw(1e-2)
+    task = eg.Task(_ce, tx)
+    trainer = eg.Trainer(
+        default_root_dir=tmp_path,
+        steps_per_call=3,
+        val_check_interval=7,
+        max_steps=17,
+        log_every_n_steps=100,
+        accumulate_grad_batches=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    state = trainer.fit(task, eg.TrainState.create(_mlp(), tx, seed=7), _data(), val)
+    # validation after batches 6 and 13, max_steps 17: blocks 0-2, 3-5 end before them
+    assert calls == [(0, 3), (3, 3), (7, 3), (10, 3), (14, 3)]
+    assert state.step == 17
+
+
+def test_a_listener_that_must_see_every_batch_makes_it_one_step_per_call(tmp_path, monkeypatch):
+    calls = _count_blocks(monkeypatch)
+    seen = []
+
+    class EveryBatch(eg.Listener):
+        def on_train_batch_end(self, rec):
+            seen.append(rec.state.step)
+
+    with pytest.warns(
+        UserWarning,
+        match=r"steps_per_call=4\) runs one optimizer step per call: EveryBatch must see every",
+    ):
+        _fit(tmp_path, "x", steps_per_call=4, callbacks=[EveryBatch()], max_epochs=1)
+    assert calls == [] and seen == list(range(1, 21))
+
+
+def test_a_listener_that_handles_blocks_hears_each_block_once(tmp_path):
+    seen = []
+
+    class PerBlock(eg.Listener):
+        handles_blocks = True
+
+        def block_ends(self):
+            return (6,)
+
+        def on_train_batch_end(self, rec):
+            seen.append(
+                (
+                    rec.state.step,
+                    rec.batch_idx,
+                    None if rec.block is None else tuple(rec.block["loss"].shape),
+                )
+            )
+
+    _fit(
+        tmp_path, "x", steps_per_call=4, callbacks=[PerBlock()], max_epochs=1, log_every_n_steps=100
+    )
+    # blocks end at multiples of 6: block 1-4, singles 5 and 6, block 7-10, singles 11 and 12,
+    # block 13-16, then singles to 20 (the epoch ends inside the next four)
+    assert seen == [
+        (4, 3, (4,)),
+        (5, 4, None),
+        (6, 5, None),
+        (10, 9, (4,)),
+        (11, 10, None),
+        (12, 11, None),
+        (16, 15, (4,)),
+        (17, 16, None),
+        (18, 17, None),
+        (19, 18, None),
+        (20, 19, None),
+    ]
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "8"])
+def test_trainer_refuses_a_bad_steps_per_call(bad):
+    with pytest.raises(ValueError, match=r"Trainer\(steps_per_call="):
+        eg.Trainer(steps_per_call=bad)
+
+
+def test_compiled_blocks_resume_bitwise_from_a_checkpoint_between_blocks(tmp_path, monkeypatch):
+    calls = _count_blocks(monkeypatch)
+    saver = eg.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
+    flags = dict(
+        max_epochs=2, log_every_n_steps=100, compile=True, enable_journal=False, dropout=0.0
+    )
+    _, whole = _fit(tmp_path, "whole", steps_per_call=4, callbacks=[saver], **flags)
+    assert (0, 4) in calls  # blocks ran
+    saved = sorted((tmp_path / "ckpt").glob("*step=18*"))
+    assert saved, sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    _, resumed = _fit(tmp_path, "resumed", steps_per_call=4, ckpt_path=saved[0], **flags)
+    _assert_states_equal(resumed, whole)
+    _, single = _fit(tmp_path, "single", steps_per_call=1, **flags)
+    _assert_states_equal(whole, single, exact=False)  # within compile's tolerance

@@ -132,6 +132,7 @@ BAD: dict[str, list[object]] = {
     "plugins": [1, True, "", ["bitsandbytes"], object()],
     "sync_batchnorm": [None, 0, "no"],
     "reload_dataloaders_every_n_epochs": [-1, 1.0, True, "1", None],
+    "steps_per_call": [0, -1, 1.5, True, "2", None],
     "default_root_dir": [123, 0, False, 1.5, b"/tmp", ["/tmp"], _BytesPath()],
     "compile": [
         "max-autotune",
@@ -239,6 +240,7 @@ GOOD: dict[str, list[object]] = {
     ],
     "sync_batchnorm": [False, True],
     "reload_dataloaders_every_n_epochs": [0, 1, 5],
+    "steps_per_call": [1, 4],
     "default_root_dir": [None, "", "tmp", "path", "pathlike"],  # built in the test
     "compile": [
         False,

@@ -26,10 +26,11 @@ from engine.driver._profiling import Profiler
 from engine.driver.assembly import Assembly
 from engine.driver.context import running
 from engine.driver.restore import datamodule_first
-from engine.driver.run import Run, stepping_batches
+from engine.driver.run import STEP_EVENTS, Run, stepping_batches
 from engine.driver.services import EvalServices, FitServices
 from engine.events import Event
 from engine.loop import evaluate as eval_loops
+from engine.loop.blocks import BlockPlan
 from engine.loop.fit import fit as fit_loop
 from engine.plan import schedule
 from engine.plan.config import LoopConfig
@@ -147,7 +148,12 @@ def _fit(
             run.state.params,
             f"the parameters' dtype under precision={config.precision!r}",
         )
-    step = profiler.timed("train_step", task.train_step(transforms=pipeline))
+    plan = _block_plan(run, task)
+    built = task.train_step(
+        transforms=pipeline, **({"steps_per_call": plan.windows} if plan else {})
+    )
+    step = profiler.timed("train_step", built.one if plan else built)
+    steps = profiler.timed("train_step", built.steps) if plan else None
     evaluate = (  # built only when there is something to validate (fit has no loaders
         # to add later), so a task without an evaluation function fits without one
         profiler.timed(
@@ -184,7 +190,7 @@ def _fit(
     progress = run.progress
     if progress.reducer is None:  # else restored by a resume
         progress = progress._replace(reducer=task.reducer())
-    services = FitServices(run, step, eval_services, val_loaders, dm)
+    services = FitServices(run, step, eval_services, val_loaders, dm, steps=steps, blocks=plan)
     state, progress = fit_loop(
         config,
         services,
@@ -195,6 +201,58 @@ def _fit(
         enable_validation=enable_validation,
     )
     run.hand_over(state, progress)
+
+
+def _block_plan(run: Run, task: Task) -> BlockPlan | None:
+    """Where ``steps_per_call`` blocks may run (:mod:`engine.loop.blocks`), or ``None`` (a step
+    per call): also ``None``, with a warning that says why, where something must see every
+    step (a custom ``step_fn``, a listener of the step's own events, or of the training batch
+    events without :attr:`~engine.events.Listener.handles_blocks`)."""
+    config = run.config
+    if config.steps_per_call == 1:
+        return None
+    why = None
+    batch_events = (Event.ON_TRAIN_BATCH_START, Event.ON_TRAIN_BATCH_END)
+    if task.step_fn is not None:
+        why = "the task's step_fn is the user's own single step"
+    else:
+        inside = [x for x in run.emitter.listeners if _handles(x, STEP_EVENTS)]
+        per_batch = [
+            x
+            for x in run.emitter.listeners
+            if _handles(x, batch_events) and not getattr(x, "handles_blocks", False)
+        ]
+        if inside:
+            names = ", ".join(e.value for e in STEP_EVENTS)
+            why = f"{_names(inside)} listen to events inside the step ({names})"
+        elif per_batch:
+            why = (
+                f"{_names(per_batch)} must see every training batch (a listener that can take "
+                "one on_train_batch_end per block sets handles_blocks = True)"
+            )
+    if why is not None:
+        warnings.warn(
+            f"Trainer(steps_per_call={config.steps_per_call}) runs one optimizer step per call: "
+            f"{why}",
+            UserWarning,
+            stacklevel=4,
+        )
+        return None
+    ends = [config.log_every_n_steps] if not config.barebones else []
+    for listener in run.emitter.listeners:
+        if _handles(listener, batch_events):
+            ends.extend(n for n in getattr(listener, "block_ends", tuple)() if n)
+    return BlockPlan(
+        config.steps_per_call, config.accumulate_grad_batches, tuple(sorted(set(ends)))
+    )
+
+
+def _handles(listener: Any, events: tuple[Event, ...]) -> bool:
+    return any(callable(getattr(listener, e.value, None)) for e in events)
+
+
+def _names(listeners: list[Any]) -> str:
+    return ", ".join(sorted({type(x).__name__ for x in listeners}))
 
 
 def _fetch_again(run: Run, dm: Any, val_loaders: list[Any]) -> tuple[Any, list[Any]]:

@@ -175,6 +175,7 @@ def _loop_limits(flags: dict[str, Any]) -> dict[str, Any]:
     out["accumulate_grad_batches"] = cfg.check_int(
         "accumulate_grad_batches", flags["accumulate_grad_batches"], minimum=1
     )
+    out["steps_per_call"] = cfg.check_int("steps_per_call", flags["steps_per_call"], minimum=1)
     out["reload_dataloaders_every_n_epochs"] = cfg.check_int(
         "reload_dataloaders_every_n_epochs",
         flags["reload_dataloaders_every_n_epochs"],

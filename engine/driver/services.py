@@ -82,9 +82,14 @@ class FitServices(_Services):
         eval_services: EvalServices | None,
         val_loaders: list[Any],
         dm: Any,
+        *,
+        steps: Any = None,
+        blocks: Any = None,
     ) -> None:
         super().__init__(run)
         self.train_step, self.eval_services = step, eval_services
+        # steps_per_call: the block's call of the train step, and where blocks run
+        self.train_steps, self.blocks = steps, blocks
         self.val_loaders, self.dm = val_loaders, dm
         self.reported_nonfinite = False  # a non-finite training loss is reported once a fit
         # one process has nothing to agree with: its own stop and signal are the run's
@@ -114,6 +119,15 @@ class FitServices(_Services):
                 "under it by default). Train on `t.clone()` of them, or predict with "
                 "Trainer(inference_mode=False), whose outputs are ordinary tensors"
             ) from e
+        run.hand_over(new)
+        return new, run.progress, metrics
+
+    def steps(
+        self, state: TrainState, progress: Progress, batches: list[Any]
+    ) -> tuple[TrainState, Progress, Mapping[str, torch.Tensor]]:
+        run = self.run
+        run.hand_over(state, progress)
+        new, metrics = self.train_steps(state, batches)
         run.hand_over(new)
         return new, run.progress, metrics
 

@@ -403,6 +403,11 @@ class ModelCheckpoint(Listener):
     def on_train_start(self, rec: EventRecord) -> None:
         self._last_time_checked = time.monotonic()
 
+    handles_blocks = True  # blocks end at every_n_train_steps' multiples; time at their ends
+
+    def block_ends(self) -> tuple[int, ...]:
+        return (self._every_n_train_steps,) if self._every_n_train_steps else ()
+
     def on_train_batch_end(self, rec: EventRecord) -> list[Save] | None:
         """Save by ``every_n_train_steps`` / ``train_time_interval``."""
         self._at_train_batch_end(rec)

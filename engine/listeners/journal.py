@@ -38,7 +38,7 @@ import json
 import os
 import warnings
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -260,6 +260,12 @@ class Journal(Listener):
         ``fingerprint_every_n_steps=0``). Replay is bounded by it."""
         self._end(rec, fingerprint=bool(self.fingerprint_every_n_steps))
 
+    handles_blocks = True  # a block ends at each line's step (block_ends); every loss is in it
+
+    def block_ends(self) -> tuple[int, ...]:
+        every = (self.every_n_steps, self.fingerprint_every_n_steps)
+        return tuple(n for n in every if n)
+
     def on_train_batch_end(self, rec: EventRecord) -> None:
         if self._release:
             self._release = False
@@ -277,9 +283,12 @@ class Journal(Listener):
                     state.fingerprint()
                 self._last_step = state.step
             return
-        loss = rec.outputs.get("loss") if rec.outputs else None
-        skipped = rec.outputs.get("skipped") if rec.outputs else None
-        self._keep(state.step, loss, skipped)
+        if rec.block is not None:
+            self._keep_block(state.step, rec.block, rec.run.config.accumulate_grad_batches)
+        else:
+            loss = rec.outputs.get("loss") if rec.outputs else None
+            skipped = rec.outputs.get("skipped") if rec.outputs else None
+            self._keep(state.step, loss, skipped)
         if state.step % self.every_n_steps or state.step == self._last_step:
             return
         taken = self._take(state.step)
@@ -304,6 +313,19 @@ class Journal(Listener):
         detached = loss.detach() if isinstance(loss, torch.Tensor) else loss
         self._losses.append((detached, skipped))
         self._losses_to = step
+
+    def _keep_block(self, step: int, block: Mapping[str, Any], accumulate: int) -> None:
+        """Keep the losses of a block of whole windows ending at optimizer step ``step``: each
+        step's is its window's last micro-batch's, as :meth:`_keep` keeps after one batch."""
+        losses = block.get("loss")
+        if losses is None:
+            self._keep(step, None)
+            return
+        stepped = losses[accumulate - 1 :: accumulate]
+        skipped = block.get("skipped")
+        first = step - len(stepped) + 1
+        for i, loss in enumerate(stepped):
+            self._keep(first + i, loss, None if skipped is None else skipped[i])
 
     def _take(self, step: int) -> tuple[list[float], list[int]] | None:
         """The kept losses (of the steps up to ``step``) on the host, and the steps among them

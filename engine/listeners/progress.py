@@ -257,6 +257,7 @@ class ProgressBar(Listener):
     """
 
     rank_zero_only = True  # its output is the run's, written once
+    handles_blocks = True  # a block advances the bar by its batches
 
     def __init__(
         self,
@@ -346,7 +347,9 @@ class ProgressBar(Listener):
         if isinstance(loop, _LoopLines):
             loop.n = n  # printed at the loop's end
             return
-        if n % self.refresh_rate and n != loop.total:
+        # the batches since the last event: one, or a block's (steps_per_call)
+        since = n - len(rec.block["loss"]) if rec.block and "loss" in rec.block else n - 1
+        if n // self.refresh_rate == since // self.refresh_rate and n != loop.total:
             return
         loop.bar.n = n
         now = monotonic()

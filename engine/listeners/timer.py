@@ -159,6 +159,8 @@ class Timer(Listener):
         """Stop at once if a restored budget is already spent."""
         return self._check()
 
+    handles_blocks = True  # under steps_per_call the budget is checked after each block
+
     def on_train_batch_end(self, rec: EventRecord) -> Stop | None:
         """With ``interval="step"``, stop once the budget is spent."""
         return self._check() if self.interval == "step" else None

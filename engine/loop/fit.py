@@ -29,11 +29,13 @@ from engine.data import (
     stateful,
 )
 from engine.events import Event
+from engine.loop import blocks
 from engine.loop.services import LoopServices
 from engine.plan import schedule
 from engine.plan.config import LoopConfig
 from engine.plan.progress import Phase, Progress
 from engine.state import TrainState
+from engine.step import split_metrics
 
 __all__ = ["FitServices", "fit"]
 
@@ -44,10 +46,20 @@ class FitServices(LoopServices, Protocol):
     listeners' view, ``trainer.state`` and checkpoints) and returns the ones the loop
     continues with."""
 
+    #: the blocks of ``steps_per_call`` (:class:`~engine.loop.blocks.BlockPlan`), or ``None``:
+    #: a step per call
+    blocks: blocks.BlockPlan | None
+
     def step(
         self, state: TrainState, progress: Progress, batch: Any, *, flush: bool
     ) -> tuple[TrainState, Progress, Mapping[str, torch.Tensor]]:
         """The train step (its own events may ask to stop); returns its metrics too."""
+        ...
+
+    def steps(
+        self, state: TrainState, progress: Progress, batches: list[Any]
+    ) -> tuple[TrainState, Progress, Mapping[str, torch.Tensor]]:
+        """A block of whole windows in one call of the train step; its metrics stacked."""
         ...
 
     def log(self, state: TrainState, metrics: Mapping[str, float]) -> None:
@@ -152,53 +164,42 @@ def fit(
             else:
                 batches -= offset
 
-            # the batches, each with its validation check
+            # the batches, each with its validation check (or a block of them, then its check)
             snapshot = train_loader.state_dict if stateful(train_loader) else None
-            for i, batch, is_last, data_position in lookahead(
-                train_loader, batches, snapshot=snapshot
-            ):
-                batch_idx = i + offset
+            loaded = lookahead(train_loader, batches, snapshot=snapshot)
+            for item in loaded:
+                batch_idx = item[0] + offset
                 if batch_idx < skip:
                     continue
-                batch = run.move(batch)
-                if data_position is not progress.data_position:  # None unless stateful
-                    progress = progress._replace(data_position=data_position)
-                state, progress = run.emit_batch(
-                    Event.ON_TRAIN_BATCH_START, state, progress, batch=batch, batch_idx=batch_idx
-                )
-                steps = is_last or (batch_idx + 1) % config.accumulate_grad_batches == 0
-                # the optimizer steps where Lightning's does: after the batch whose index in
-                # the epoch completes a window (a resume that changed accumulate_grad_batches
-                # at a window boundary steps after a partial one), and after the last batch
-                state, progress, metrics = run.step(state, progress, batch, flush=steps)
-                if track:
-                    reducer.update(metrics, batch_size(batch))
-                    if steps and state.step % config.log_every_n_steps == 0:
-                        run.log(state, reducer.step_logged(metrics))
-                # a checkpoint saved from now on still validates on resume
-                progress = progress._replace(phase=Phase.BATCH_END)
-                state, progress = run.emit_batch(
-                    Event.ON_TRAIN_BATCH_END,
+                plan = run.blocks
+                if plan is not None and blocks.fits(
+                    config,
+                    plan,
                     state,
                     progress,
-                    outputs=metrics,
-                    batch=batch,
                     batch_idx=batch_idx,
-                )
-                if validate_this_epoch and _stop_decides(
-                    config, state, progress, batch_idx, is_last
+                    validates=validate_this_epoch,
                 ):
-                    progress = run.agree(state, progress)  # a stop asked for now validates
-                if validate_this_epoch and _validates_after(
-                    config, state, progress, batch_idx, is_last
-                ):
-                    progress = progress._replace(phase=Phase.VALIDATION)
-                    state, progress = run.validate(state, progress)
-                progress = progress._replace(
-                    total_batch_idx=progress.total_batch_idx + 1, phase=Phase.BETWEEN
-                )
-                progress = run.check(state, progress)
-                if _epoch_done(config, state, progress):
+                    items = blocks.gather(item, loaded, plan.batches)
+                    whole = len(items) == plan.batches and not any(x[2] for x in items[:-1])
+                else:
+                    items, whole = [item], False
+                if whole:
+                    state, progress = _train_block(config, run, state, progress, items, offset)
+                    done = _after_batches(
+                        config, run, state, progress, items, offset, validate_this_epoch
+                    )
+                else:
+                    for one in items:
+                        state, progress = _train_block(config, run, state, progress, [one], offset)
+                        done = _after_batches(
+                            config, run, state, progress, [one], offset, validate_this_epoch
+                        )
+                        state, progress, stop = done
+                        if stop:
+                            break
+                state, progress, stop = done
+                if stop:
                     break
 
             # the epoch's end
@@ -217,6 +218,81 @@ def fit(
         for loader in positioned:  # as the user made them (reloaded ones too)
             restore_loader(loader)
     return state, progress
+
+
+def _train_block(
+    config: LoopConfig,
+    run: FitServices,
+    state: TrainState,
+    progress: Progress,
+    items: list[Any],
+    offset: int,
+) -> tuple[TrainState, Progress]:
+    """Train on one batch, or on a block of them in one call (:mod:`engine.loop.blocks`):
+    its events (once for a block), its step, its metrics to the reducer and the loggers."""
+    track = not config.barebones  # barebones: no metrics at all
+    reducer = progress.reducer
+    moved = [run.move(batch) for _, batch, _, _ in items]
+    first_idx = items[0][0] + offset
+    batch_idx, is_last, data_position = items[-1][0] + offset, items[-1][2], items[-1][3]
+    if data_position is not progress.data_position:  # None unless stateful
+        progress = progress._replace(data_position=data_position)
+    state, progress = run.emit_batch(
+        Event.ON_TRAIN_BATCH_START, state, progress, batch=moved[0], batch_idx=first_idx
+    )
+    # the optimizer steps where Lightning's does: after the batch whose index in the epoch
+    # completes a window (a resume that changed accumulate_grad_batches at a window boundary
+    # steps after a partial one), and after the last batch
+    steps = is_last or (batch_idx + 1) % config.accumulate_grad_batches == 0
+    block = None
+    if len(moved) == 1:
+        state, progress, metrics = run.step(state, progress, moved[0], flush=steps)
+        each = [metrics]
+    else:
+        state, progress, block = run.steps(state, progress, moved)
+        each = split_metrics(block, len(moved), config.accumulate_grad_batches)
+        metrics = each[-1]
+    if track:
+        for batch, m in zip(moved, each, strict=True):
+            reducer.update(m, batch_size(batch))
+        if steps and state.step % config.log_every_n_steps == 0:
+            run.log(state, reducer.step_logged(metrics))
+    # a checkpoint saved from now on still validates on resume
+    progress = progress._replace(phase=Phase.BATCH_END)
+    state, progress = run.emit_batch(
+        Event.ON_TRAIN_BATCH_END,
+        state,
+        progress,
+        outputs=metrics,
+        batch=moved[-1],
+        batch_idx=batch_idx,
+        block=block,
+    )
+    return state, progress
+
+
+def _after_batches(
+    config: LoopConfig,
+    run: FitServices,
+    state: TrainState,
+    progress: Progress,
+    items: list[Any],
+    offset: int,
+    validate_this_epoch: bool,
+) -> tuple[TrainState, Progress, bool]:
+    """After a batch (or a block's last): its validation check, the signal check; returns
+    whether the epoch is done."""
+    batch_idx, is_last = items[-1][0] + offset, items[-1][2]
+    if validate_this_epoch and _stop_decides(config, state, progress, batch_idx, is_last):
+        progress = run.agree(state, progress)  # a stop asked for now validates
+    if validate_this_epoch and _validates_after(config, state, progress, batch_idx, is_last):
+        progress = progress._replace(phase=Phase.VALIDATION)
+        state, progress = run.validate(state, progress)
+    progress = progress._replace(
+        total_batch_idx=progress.total_batch_idx + len(items), phase=Phase.BETWEEN
+    )
+    progress = run.check(state, progress)
+    return state, progress, _epoch_done(config, state, progress)
 
 
 def _finish_resumed_batch(

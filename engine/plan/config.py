@@ -65,6 +65,7 @@ class LoopConfig:
     gradient_clip_val: int | float | None = None
     gradient_clip_algorithm: str = "norm"
     compile: bool | Mapping[str, Any] = False
+    steps_per_call: int = 1
     inference_mode: bool = True
     deterministic: bool | str | None = None
     benchmark: bool | None = None

@@ -74,6 +74,7 @@ class Flags:
     reload_dataloaders_every_n_epochs: int = 0
     default_root_dir: str | os.PathLike[str] | None = None
     compile: bool | Mapping[str, Any] = False
+    steps_per_call: int = 1
     enable_journal: bool | None = None
     enable_autolog_hparams: bool = True
     model_registry: str | None = None

@@ -25,6 +25,8 @@ The package, bottom up (each module imports only those above it in this list):
 * ``_compile``: compiled cores, :func:`compile_core` and :func:`gathers_in_graph`;
 * ``_cores``: the pure pieces step transforms wrap, :class:`Forward`, :func:`grad_core`,
   :func:`update_core`, :data:`GradFn`, :data:`UpdateFn`, :func:`total_norm`;
+* ``_blocks``: K optimizer steps in one call (``steps_per_call``): the block core, its
+  batches and its stacked metrics (:func:`split_metrics` splits them per micro-batch);
 * ``_train``: :class:`TrainStep` and :func:`train_step`;
 * ``_custom``: :class:`CustomStep`, a user's own training step;
 * ``_infer``: :class:`EvalStep`, :class:`PredictStep`, :func:`eval_step`, :func:`predict_step`.
@@ -33,6 +35,7 @@ The package, bottom up (each module imports only those above it in this list):
 from __future__ import annotations
 
 # the names outside __all__ (marked ``X as X``) are what other modules import from engine.step
+from engine.step._blocks import split_metrics as split_metrics
 from engine.step._common import Batch as Batch
 from engine.step._common import LossFn as LossFn
 from engine.step._common import Metrics as Metrics

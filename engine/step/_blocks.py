@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["block_core", "micro_batches", "stack_metrics"]
+__all__ = ["block_core", "micro_batches", "split_metrics", "stack_metrics"]
 
 
 def micro_batches(batches: Any, *, stacked: bool) -> tuple[Any, int]:
@@ -76,6 +76,22 @@ def stack_metrics(records: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     for record in records:
         names.update(dict.fromkeys(record))
     return {k: torch.stack([r[k] for r in records if k in r]) for k in names}
+
+
+def split_metrics(
+    metrics: Mapping[str, Tensor], n: int, accumulate: int
+) -> list[dict[str, Tensor]]:
+    """A block's stacked metrics (:func:`stack_metrics`) back to each of its ``n`` micro-batches'
+    (what only a step reports, with the last micro-batch of each window of ``accumulate``)."""
+    out: list[dict[str, Tensor]] = [{} for _ in range(n)]
+    for name, values in metrics.items():
+        if len(values) == n:
+            for i in range(n):
+                out[i][name] = values[i]
+        else:  # one per optimizer step
+            for w in range(len(values)):
+                out[(w + 1) * accumulate - 1][name] = values[w]
+    return out
 
 
 def block_core(step: Any) -> Any:
