@@ -91,12 +91,32 @@ def engine_loop(sizes, b, compile: bool = False, fused: bool | None = None) -> C
     return run
 
 
+def multistep_loop(sizes, b, k: int) -> Callable[[], None]:
+    """``steps_per_call=k`` compiled: one call runs k optimizer steps (``run.per_call``)."""
+    tx = optim.adamw(1e-3)
+    box = [eg.TrainState.create(mlp(sizes), tx, seed=0)]
+    step = eg.train_step(loss_fn, tx, compile=True, steps_per_call=k)
+    batches = [b] * k
+
+    def run() -> None:
+        box[0], _ = step(box[0], batches)
+
+    run.per_call = k  # type: ignore[attr-defined]
+    return run
+
+
+MULTISTEP_K = (4, 8, 16)
+
 VARIANTS: dict[str, Callable[..., Callable[[], None]]] = {
     "raw": raw_loop,
     "raw_fused": lambda s, b: raw_loop(s, b, fused=True),
     "engine_eager": engine_loop,
     "engine_fused": lambda s, b: engine_loop(s, b, fused=True),
     "engine_compiled": lambda s, b: engine_loop(s, b, compile=True),
+    **{
+        f"engine_multistep{k}": (lambda s, b, k=k: multistep_loop(s, b, k))
+        for k in MULTISTEP_K
+    },
 }
 
 
@@ -110,6 +130,9 @@ def time_variants(name: str, rounds: int, steps: int, warmup: int) -> dict[str, 
         for _ in range(warmup):
             run()
         compile_s[k] = time.perf_counter() - t0
+    # a variant that runs several optimizer steps per call is timed per optimizer step
+    calls = {k: max(steps // getattr(run, "per_call", 1), 1) for k, run in runs.items()}
+    per_step = {k: calls[k] * getattr(run, "per_call", 1) for k, run in runs.items()}
     times: dict[str, list[float]] = {k: [] for k in runs}
     gc.collect()
     gc.disable()  # as timeit does: a collection landing in one variant's window is noise
@@ -117,9 +140,9 @@ def time_variants(name: str, rounds: int, steps: int, warmup: int) -> dict[str, 
         for _ in range(rounds):
             for k, run in runs.items():
                 t0 = time.perf_counter()
-                for _ in range(steps):
+                for _ in range(calls[k]):
                     run()
-                times[k].append((time.perf_counter() - t0) / steps)
+                times[k].append((time.perf_counter() - t0) / per_step[k])
     finally:
         gc.enable()
     out = {f"{name}_raw_step_us": statistics.median(times["raw"]) * 1e6}
@@ -128,6 +151,42 @@ def time_variants(name: str, rounds: int, steps: int, warmup: int) -> dict[str, 
             ratios = [t / r for t, r in zip(times[k], times["raw"], strict=True)]
             out[f"{name}_{k}_ratio"] = statistics.median(ratios)
     out[f"{name}_compile_warmup_s"] = compile_s["engine_compiled"]
+    # the issue's headline: K=8 (the others are reported beside it)
+    out[f"{name}_engine_multistep_ratio"] = out[f"{name}_engine_multistep8_ratio"]
+    return out
+
+
+def compile_child(k: int) -> None:
+    """Time the first two calls of a ``steps_per_call=k`` compiled step (the compile, and the
+    recompile for a symbolic step counter) in this fresh process."""
+    sizes, n = SHAPES["tiny"]
+    run = multistep_loop(sizes, batch(sizes, n), k)
+    t0 = time.perf_counter()
+    run()
+    run()
+    print(json.dumps({"compile_s": time.perf_counter() - t0}))
+
+
+def measure_compile(k: int = 8) -> dict[str, float]:
+    """Cold (an empty Inductor cache) and warm (the cache the cold run filled) compile times of
+    the tiny MLP's ``steps_per_call=k`` step, each in a fresh process."""
+    import os
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        for kind in ("cold", "warm"):
+            done = subprocess.run(
+                [sys.executable, "-m", "benchmarks.step", "--compile-child", str(k)],
+                check=True,
+                capture_output=True,
+                text=True,
+                env=env,
+            )
+            out[f"multistep_compile_{kind}_s"] = json.loads(done.stdout.strip().splitlines()[-1])[
+                "compile_s"
+            ]
     return out
 
 
@@ -176,10 +235,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="fewer rounds (under two minutes)")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
+    p.add_argument("--compile-child", type=int, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--only-steps", action="store_true", help="the step timings and compile times alone"
+    )
     p.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.memory_child:
         memory_child(args.memory_child, args.steps)
+        return
+    if args.compile_child:
+        compile_child(args.compile_child)
         return
     rounds = 7 if args.quick else 21
     results: dict[str, Any] = {
@@ -187,7 +253,11 @@ def main(argv: list[str] | None = None) -> None:
         "threads": torch.get_num_threads(),
     }
     results.update(time_variants("tiny", rounds, steps=100, warmup=30))
-    results.update(time_variants("medium", rounds if not args.quick else 5, steps=5, warmup=10))
+    results.update(time_variants("medium", rounds if not args.quick else 5, steps=16, warmup=4))
+    results.update(measure_compile(8))
+    if args.only_steps:
+        print(json.dumps(results, indent=2))
+        return
     results.update(measure_memory(["raw", "raw_fused", "engine_eager", "engine_fused"], steps=3))
     from benchmarks.trainer import time_trainer  # imports this module: import late
 

@@ -43,7 +43,7 @@ class Trainer(RunViews):
     Engine-specific: ``compile`` (``True`` or ``torch.compile`` options) compiles the train and
     eval steps; ``steps_per_call`` (Keras's ``steps_per_execution``, default 1) runs that many
     optimizer steps per call of the training step, one graph under ``compile`` (see
-    ``docs/performance.md``: blocks end where the loop must see the state, batch events come
+    ``docs/guide.md``: blocks end where the loop must see the state, batch events come
     once per block, and listeners that must see every step make it 1, saying so);
     ``enable_journal`` (default ``True``, off with ``barebones`` and
     ``fast_dev_run``) adds a :class:`~engine.listeners.Journal`, so each fit leaves a run

@@ -224,8 +224,7 @@ class ModelCheckpoint(Listener):
         self._last_global_step_saved = 0  # nothing to save before the first step
         self._last_checkpoint_saved = ""
         self._restored_last_saved = False  # a checkpoint said when this listener last saved
-        # an event's saves and the checkpoints they replace, requested once its bookkeeping is
-        # final (_flush)
+        # an event's saves and what they replace, requested once its bookkeeping is final
         self._pending_saves: list[str] = []
         self._pending_removals: list[tuple[str, str]] = []
         self._last_time_checked: float | None = None
@@ -285,7 +284,6 @@ class ModelCheckpoint(Listener):
             warnings.warn(
                 f"ModelCheckpoint: the checkpoint directory {self.dirpath} exists and is not "
                 "empty; checkpoints of another run may be overwritten or outrank this run's",
-                UserWarning,
                 stacklevel=2,
             )
         if (
@@ -396,14 +394,13 @@ class ModelCheckpoint(Listener):
         warnings.warn(
             f"ModelCheckpoint: the checkpoint resumed from names checkpoints that are not on "
             f"disk ({', '.join(gone)}); they are left out of the ranking",
-            UserWarning,
             stacklevel=2,
         )
 
     def on_train_start(self, rec: EventRecord) -> None:
         self._last_time_checked = time.monotonic()
 
-    handles_blocks = True  # blocks end at every_n_train_steps' multiples; time at their ends
+    handles_blocks = True  # blocks end at every_n_train_steps' multiples (block_ends)
 
     def block_ends(self) -> tuple[int, ...]:
         return (self._every_n_train_steps,) if self._every_n_train_steps else ()
@@ -762,7 +759,6 @@ class ModelCheckpoint(Listener):
                 f"ModelCheckpoint: the checkpoint was written with dirpath {saved_dir!r}, this "
                 f"listener saves to {self.dirpath!r}; only best_model_path is restored, the "
                 "top-k ranking starts afresh",
-                UserWarning,
                 stacklevel=2,
             )
         self.best_model_path = state.get("best_model_path", self.best_model_path)
