@@ -15,12 +15,14 @@ embedding, ``nn.TransformerEncoder`` with d_model 256, 4 layers, 4 heads, sequen
   ``pipeline.train_step(loss_fn, optim.adamw(1e-3))``;
 * ``engine_compiled``: the same with ``compile=True``;
 * ``engine_cudagraphs`` (CUDA only): the same with ``compile={"mode": "reduce-overhead"}``, the
-  whole donated step replayed as a CUDA graph.
+  whole donated step replayed as a CUDA graph;
+* ``engine_multistep`` (CUDA only): ``steps_per_call=8`` compiled, eight optimizer steps per
+  call in one graph (timed per optimizer step).
 
 engine's AdamW is ``optim.adamw(1e-3, fused=True)`` on CUDA, the raw loop's kernel.
 
 Compiling dominates the run time, so by default only bf16-mixed gets compiled variants (two per
-model, three on CUDA); ``--compile-float32`` adds float32's, ``--skip-compile`` drops them all,
+model, four on CUDA); ``--compile-float32`` adds float32's, ``--skip-compile`` drops them all,
 and a compiled variant that would start after ``--budget-s`` seconds is skipped (and listed as
 such).
 
@@ -59,7 +61,14 @@ import engine as eg
 from engine import optim, transforms
 
 PRECISIONS = ("float32", "bf16-mixed")
-KINDS = ("raw", "raw_compiled", "engine_eager", "engine_compiled", "engine_cudagraphs")
+KINDS = (
+    "raw",
+    "raw_compiled",
+    "engine_eager",
+    "engine_compiled",
+    "engine_cudagraphs",
+    "engine_multistep",
+)
 REDUCE_OVERHEAD = {"mode": "reduce-overhead"}
 Run = Callable[[], None]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -209,12 +218,42 @@ def engine_variant(
     return run
 
 
+MULTISTEP_K = 8
+
+
+def multistep_variant(
+    shape: MLPShape | LMShape,
+    batch: Any,
+    precision: str,
+    device: torch.device,
+    compile: bool | dict[str, str],
+) -> Run:
+    """``steps_per_call=MULTISTEP_K`` compiled: one call is K optimizer steps (``run.per_call``:
+    the timing divides by the steps, not the calls)."""
+    pipeline = transforms.compose(
+        placement=transforms.SingleDevice(device),
+        precision=engine_precision(precision),
+        compile=compile,
+    )
+    tx = optim.adamw(1e-3, fused=device.type == "cuda" or None)
+    box = [pipeline.prepare(eg.TrainState.create(make_model(shape), tx, seed=0))]
+    step = pipeline.train_step(loss_fn, tx, steps_per_call=MULTISTEP_K)
+    moved = [pipeline.move(batch)] * MULTISTEP_K
+
+    def run() -> None:
+        box[0], _ = step(box[0], moved)
+
+    run.per_call = MULTISTEP_K  # type: ignore[attr-defined]
+    return run
+
+
 BUILDERS: dict[str, tuple[Callable[..., Run], bool | dict[str, str]]] = {
     "raw": (raw_variant, False),
     "raw_compiled": (raw_variant, True),
     "engine_eager": (engine_variant, False),
     "engine_compiled": (engine_variant, True),
     "engine_cudagraphs": (engine_variant, REDUCE_OVERHEAD),
+    "engine_multistep": (multistep_variant, True),
 }
 
 
@@ -275,16 +314,18 @@ def _interleave(
             for key, run in runs.items():
                 if key in errors:
                     continue
+                per_call = getattr(run, "per_call", 1)  # optimizer steps per call
+                calls = max(schedule.steps // per_call, 1)
                 try:
                     _sync(device)
                     t0 = time.perf_counter()
-                    for _ in range(schedule.steps):
+                    for _ in range(calls):
                         run()
                     _sync(device)
                 except Exception as e:
                     errors[key] = _error(e)
                     continue
-                times[key].append((time.perf_counter() - t0) / schedule.steps)
+                times[key].append((time.perf_counter() - t0) / (calls * per_call))
     finally:
         gc.enable()
     return {k: v for k, v in times.items() if k not in errors}, errors
@@ -422,7 +463,7 @@ def run(
         added = False
         kinds = ["raw_compiled", "engine_compiled"]
         if device.type == "cuda":
-            kinds.append("engine_cudagraphs")
+            kinds += ["engine_cudagraphs", "engine_multistep"]
         for kind in kinds:
             for precision in compiled:
                 if time.monotonic() - start > budget_s:

@@ -113,10 +113,7 @@ VARIANTS: dict[str, Callable[..., Callable[[], None]]] = {
     "engine_eager": engine_loop,
     "engine_fused": lambda s, b: engine_loop(s, b, fused=True),
     "engine_compiled": lambda s, b: engine_loop(s, b, compile=True),
-    **{
-        f"engine_multistep{k}": (lambda s, b, k=k: multistep_loop(s, b, k))
-        for k in MULTISTEP_K
-    },
+    **{f"engine_multistep{k}": (lambda s, b, k=k: multistep_loop(s, b, k)) for k in MULTISTEP_K},
 }
 
 

@@ -325,3 +325,80 @@ def test_compiled_blocks_resume_bitwise_from_a_checkpoint_between_blocks(tmp_pat
     _assert_states_equal(resumed, whole)
     _, single = _fit(tmp_path, "single", steps_per_call=1, **flags)
     _assert_states_equal(whole, single, exact=False)  # within compile's tolerance
+
+
+class _SignalsAt(torch.utils.data.Dataset):
+    """A dataset that sends this process SIGTERM when it loads sample ``at``."""
+
+    def __init__(self, x, y, at):
+        self.x, self.y, self.at = x, y, at
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if i == self.at:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.x[i], self.y[i]
+
+
+def _signalled_fit(root, at=None, ckpt_path=None):
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(160, 10, generator=g), torch.randint(0, 5, (160,), generator=g)
+    loader = torch.utils.data.DataLoader(_SignalsAt(x, y, at), batch_size=8)
+    tx = optim.adamw(1e-2)
+    trainer = eg.Trainer(
+        default_root_dir=root,
+        steps_per_call=4,
+        max_epochs=1,
+        log_every_n_steps=100,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_journal=False,
+    )
+    return trainer.fit(
+        eg.Task(_ce, tx),
+        eg.TrainState.create(_mlp(0.2), tx, seed=7),
+        loader,
+        ckpt_path=ckpt_path,
+    )
+
+
+def test_a_sigterm_inside_a_block_lands_after_it_and_resumes_bitwise(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    here = str(Path(__file__).parent)
+    # sample 50 is in batch 6 (0-based), loaded for the block of batches 4-7
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {here!r})
+        from test_steps_per_call import _signalled_fit
+        _signalled_fit({str(tmp_path / "run")!r}, at=50)
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "SIGTERM received: finished step 8" in done.stderr, done.stderr[-3000:]
+    (saved,) = (tmp_path / "run" / "checkpoints").glob("interrupted-step=*")
+    assert saved.name == "interrupted-step=8"
+    whole = _signalled_fit(tmp_path / "whole")
+    resumed = _signalled_fit(tmp_path / "resumed", ckpt_path=saved)
+    _assert_states_equal(resumed, whole)
+
+
+def test_an_eager_run_with_blocks_replays_bitwise_and_a_compiled_one_is_refused(tmp_path):
+    trainer, _ = _fit(tmp_path, "eager", steps_per_call=4, max_epochs=1, log_every_n_steps=5)
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert report.identical, str(report)
+    assert report.steps == 20
+    # the same run recorded as compiled (its config.json says so): refused before any step
+    config = Path(trainer.run_dir) / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "compile": True}))
+    with pytest.raises(eg.ReplayError, match=r"compiled with steps_per_call=4.*not bitwise"):
+        eg.replay(trainer.run_dir, trust_code=True)

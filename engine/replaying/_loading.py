@@ -91,6 +91,15 @@ def _flags(config: dict[str, Any]) -> dict[str, Any]:
     from engine.transforms import PRECISIONS
 
     flags = {k: config[k] for k in _REPLAYED_FLAGS if k in config}
+    blocks = config.get("steps_per_call", 1)
+    if flags.get("compile") and isinstance(blocks, int) and blocks > 1:
+        # eager, a block is its single steps (replayed one by one, bitwise); compiled, it is
+        # one graph seeded once, which single compiled steps match only within tolerance
+        raise ReplayError(
+            f"the run was compiled with steps_per_call={blocks}: each block of {blocks} steps "
+            "was one graph, which a replay step by step matches only within compile's "
+            "tolerance, not bitwise. Replay runs recorded with steps_per_call=1 or eager"
+        )
     precision = config.get("precision")
     if precision is not None:  # absent or None: a run before precisions, in float32
         if precision not in PRECISIONS and precision not in (32, "32"):
