@@ -576,6 +576,11 @@ class Listener:
 
     rank_zero_only: bool = False
 
+    #: ``False`` promises this listener never returns :class:`Stop`. When every listener of a
+    #: data-parallel fit promises it, the ranks need not agree on a stop after each batch, and
+    #: agree on signals every few batches instead: one collective less a batch.
+    may_stop: bool = True
+
     #: Under ``Trainer(steps_per_call=K)``: ``True`` lets this listener's training batch events
     #: come once per block of up to K optimizer steps (the record is the block's last batch,
     #: ``rec.block`` every micro-batch's metrics), ending blocks at the multiples of

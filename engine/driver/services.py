@@ -8,6 +8,7 @@ keeps a copy of the state or the progress.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -23,6 +24,11 @@ from engine.plan.progress import Progress
 from engine.state import TrainState
 
 __all__ = ["EvalServices", "FitServices", "observer"]
+
+#: Where no listener can ask to stop, the ranks agree on a signal about this often (seconds)
+#: rather than after every batch: a SIGTERM is acted on within this, plus a batch.
+AGREE_EVERY_S = 0.25
+MAX_AGREE_EVERY = 1000  # batches
 
 
 class _Services:
@@ -94,6 +100,12 @@ class FitServices(_Services):
         self.reported_nonfinite = False  # a non-finite training loss is reported once a fit
         # one process has nothing to agree with: its own stop and signal are the run's
         self.several = run.world_size > 1
+        # No listener can ask to stop (each says `may_stop = False`: the Trainer's defaults):
+        # after a batch only a signal needs agreeing, and that every few batches (about every
+        # AGREE_EVERY_S seconds, an interval the ranks agree on), not a collective a batch.
+        # The same on every rank: it reads the full listener list, rank-zero ones included.
+        self.lazy = self.several and not any(getattr(x, "may_stop", True) for x in run.callbacks)
+        self._since, self._every, self._mark = 0, 1, time.monotonic()
 
     def reload_train_loader(self, state: TrainState, progress: Progress) -> Any:
         # the datamodule's train_dataloader() again (reload_dataloaders_every_n_epochs)
@@ -180,14 +192,30 @@ class FitServices(_Services):
         run = self.run
         signals = run.signals
         flags = (progress.should_stop, signals.offer())  # read once, before the collective
-        stop, signalled = run.strategy.agree(flags) if self.several else flags
+        if not self.several:
+            stop, signalled = flags
+        elif self.lazy:
+            # the batches until the next agreement: each rank proposes its own from its pace
+            # since the last one, and the ranks take the fewest (the maximum of the negatives)
+            now = time.monotonic()
+            pace = (now - self._mark) / max(self._since, 1)
+            proposed = max(1, min(MAX_AGREE_EVERY, int(AGREE_EVERY_S / max(pace, 1e-6))))
+            stop, signalled, fewest = run.strategy.agree((*flags, -proposed))
+            self._since, self._every, self._mark = 0, -int(fewest), now
+        else:
+            stop, signalled = run.strategy.agree(flags)
+        stop, signalled = bool(stop), bool(signalled)
         signals.settle(signalled)  # every rank acts on what the ranks agreed, nothing later
         if stop != progress.should_stop:
             run.hand_over(state, progress)
             progress = run.agreed_stop(stop)
         return progress
 
-    def check(self, state: TrainState, progress: Progress) -> Progress:
+    def check(self, state: TrainState, progress: Progress, *, batch: bool = False) -> Progress:
+        if batch and self.lazy:
+            self._since += 1
+            if self._since < self._every:  # no stop can have been asked for: nothing to agree
+                return progress
         progress = self.agree(state, progress)
         run = self.run
         if run.signals.agreed is not None:

@@ -102,6 +102,8 @@ class EMAWeightAveraging(Listener):
         >>> state = trainer.fit(task, task.init(torch.nn.Linear(3, 1)), data, data)
     """
 
+    may_stop = False  # it never returns Stop (see Listener.may_stop)
+
     def __init__(self) -> None:
         self._swapped = False  # params hold the average (between the two validation swaps)
 
@@ -322,6 +324,8 @@ class StochasticWeightAveraging(Listener):
         >>> int(state.extra["swa"]["n_averaged"]), optim.get_hyperparams(state.opt_state)["lr"]
         (3, 0.01)
     """
+
+    may_stop = False  # it never returns Stop (see Listener.may_stop)
 
     def __init__(
         self,

@@ -224,7 +224,7 @@ class ModelCheckpoint(Listener):
         self._last_global_step_saved = 0  # nothing to save before the first step
         self._last_checkpoint_saved = ""
         self._restored_last_saved = False  # a checkpoint said when this listener last saved
-        # an event's saves and what they replace, requested once its bookkeeping is final
+        # an event's saves and what they replace, asked for once its bookkeeping is final
         self._pending_saves: list[str] = []
         self._pending_removals: list[tuple[str, str]] = []
         self._last_time_checked: float | None = None
@@ -232,8 +232,7 @@ class ModelCheckpoint(Listener):
         self._validated = False  # a validation has run in this fit: a missing monitor is an error
         self._stage: str | None = None  # the call's stage (set at setup, before a restore)
         self._warned_missing = False
-        # the saves asked for and not yet settled (written, or failed), by path, in order: what
-        # each changed in the bookkeeping, to undo if it fails (checkpoint_settled)
+        # unsettled saves by path, in order: what each changed, to undo if it fails
         self._unsettled: dict[str, list[tuple[str, str, float | None]]] = {}
         self._lock: checkpoint._RunLock | None = None  # this fit's claim on dirpath
 
@@ -400,7 +399,8 @@ class ModelCheckpoint(Listener):
     def on_train_start(self, rec: EventRecord) -> None:
         self._last_time_checked = time.monotonic()
 
-    handles_blocks = True  # blocks end at every_n_train_steps' multiples (block_ends)
+    # blocks end at every_n_train_steps' multiples (block_ends); it saves, never stops
+    handles_blocks, may_stop = True, False
 
     def block_ends(self) -> tuple[int, ...]:
         return (self._every_n_train_steps,) if self._every_n_train_steps else ()

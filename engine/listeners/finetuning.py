@@ -170,6 +170,8 @@ class Finetuning(Listener):
         False
     """
 
+    may_stop = False  # it never returns Stop (see Listener.may_stop)
+
     def __init__(
         self,
         schedule: Mapping[int, Prefixes] | None = None,

@@ -261,6 +261,7 @@ class Journal(Listener):
         self._end(rec, fingerprint=bool(self.fingerprint_every_n_steps))
 
     handles_blocks = True  # a block ends at each line's step (block_ends); every loss is in it
+    may_stop = False
 
     def block_ends(self) -> tuple[int, ...]:
         every = (self.every_n_steps, self.fingerprint_every_n_steps)

@@ -107,6 +107,8 @@ class LearningRateMonitor(Listener):
         Log(metrics={'lr-SGD': 0.010000000000000002}, step=2)
     """
 
+    may_stop = False  # it never returns Stop (see Listener.may_stop)
+
     def __init__(self, logging_interval: str | None = None, log_momentum: bool = False) -> None:
         if logging_interval not in (None, "step", "epoch"):
             raise ValueError(

@@ -61,6 +61,8 @@ class _Stepped(Listener):
     the batch index within the epoch, not the global step). A check that reads a metric
     (``after_validation``) waits for that batch's validation, if one follows it."""
 
+    may_stop = False  # it never returns Stop (see Listener.may_stop)
+
     interval: str
     frequency: int
     #: read the monitored metric after the batch's validation (ReduceLROnPlateau)

@@ -57,6 +57,8 @@ class BasePredictionWriter(Listener):
         (3, [[[0, 1], [2, 3], [4]]])
     """
 
+    may_stop = False  # it never returns Stop (see Listener.may_stop)
+
     def __init__(self, write_interval: str = "batch") -> None:
         if write_interval not in _INTERVALS:
             raise ValueError(

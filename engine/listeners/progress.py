@@ -258,6 +258,7 @@ class ProgressBar(Listener):
 
     rank_zero_only = True  # its output is the run's, written once
     handles_blocks = True  # a block advances the bar by its batches
+    may_stop = False
 
     def __init__(
         self,

@@ -160,6 +160,8 @@ class ModelSummary(Listener):
         0.000     Total size (MB), parameters and buffers
     """
 
+    may_stop = False  # it never returns Stop (see Listener.may_stop)
+
     rank_zero_only = True  # its output is the run's, written once
 
     def __init__(self, max_depth: int = 1, *, file: IO[str] | None = None) -> None:

@@ -86,9 +86,10 @@ class FitServices(LoopServices, Protocol):
         ``should_stop`` is preceded by one, so every rank takes the same branch."""
         ...
 
-    def check(self, state: TrainState, progress: Progress) -> Progress:
+    def check(self, state: TrainState, progress: Progress, *, batch: bool = False) -> Progress:
         """:meth:`agree`, then, if SIGTERM / SIGINT came (to any rank): save an interrupted
-        checkpoint and exit (raises)."""
+        checkpoint and exit (raises). ``batch``: the check after a training batch, which may
+        agree only every few batches where no listener can ask to stop (every rank alike)."""
         ...
 
 
@@ -291,7 +292,7 @@ def _after_batches(
     progress = progress._replace(
         total_batch_idx=progress.total_batch_idx + len(items), phase=Phase.BETWEEN
     )
-    progress = run.check(state, progress)
+    progress = run.check(state, progress, batch=True)
     return state, progress, _epoch_done(config, state, progress)
 
 

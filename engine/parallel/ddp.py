@@ -468,14 +468,17 @@ class DDP(Strategy):
         if message is not None and dist.get_rank() == 0:
             warnings.warn(f"{type(self).__name__}: {message}", stacklevel=3)
 
-    def agree(self, flags: Sequence[bool]) -> tuple[bool, ...]:
+    def agree(self, flags: Sequence[bool | int]) -> tuple[bool | int, ...]:
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return tuple(bool(f) for f in flags)
-        t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+            return tuple(flags)
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
         t = t.to(self._collective_device())
         with _watchdog.guard("the agreement on stopping (a check of the loop)"):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return tuple(bool(v) for v in t.tolist())
+            agreed = t.tolist()
+        return tuple(
+            bool(v) if isinstance(f, bool) else int(v) for f, v in zip(flags, agreed, strict=True)
+        )
 
     def broadcast(self, obj: _T) -> _T:
         if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -255,9 +255,10 @@ class Strategy(Transform):
         strategy raises on every rank when they differ. Called once a stage's loaders are
         ready, on every rank alike."""
 
-    def agree(self, flags: Sequence[bool]) -> tuple[bool, ...]:
-        """Each flag, true if it is true on any rank."""
-        return tuple(bool(f) for f in flags)
+    def agree(self, flags: Sequence[bool | int]) -> tuple[bool | int, ...]:
+        """Each value's maximum over the ranks: a flag, true if it is true on any rank; an
+        int, the largest (one collective for them all)."""
+        return tuple(flags)
 
     def broadcast(self, obj: _T) -> _T:
         """Rank 0's ``obj``, on every rank."""
