@@ -15,6 +15,7 @@ the loop itself), so start-up, compilation and the fit's end are not in the figu
 * ``engine_defaults``: ``eg.Trainer(strategy="ddp", devices=2)`` with its defaults (the
   journal, the TensorBoard logger, ``ModelCheckpoint``, the model summary), the progress bar
   off;
+* ``engine_no_journal``: the defaults with ``enable_journal=False`` (what the journal costs);
 * ``engine_barebones``: ``eg.Trainer(..., barebones=True)``;
 * ``engine_compiled``: the defaults with ``compile=True``;
 * ``lightning_defaults``: ``pytorch_lightning.Trainer(strategy="ddp", devices=2)`` with its
@@ -42,7 +43,14 @@ from typing import Any
 SIZES = (784, 512, 512, 10)
 BATCH = 128  # per rank
 WORLD = 2
-VARIANTS = ("raw", "engine_defaults", "engine_barebones", "engine_compiled", "lightning_defaults")
+VARIANTS = (
+    "raw",
+    "engine_defaults",
+    "engine_no_journal",
+    "engine_barebones",
+    "engine_compiled",
+    "lightning_defaults",
+)
 
 
 def _data(total_steps: int) -> Any:
@@ -114,18 +122,27 @@ def rank_main(variant: str, warmup: int, steps: int, root: str, out: str) -> Non
                 mark(rec.state.step)
 
         task = eg.Task(lambda m, b: F.cross_entropy(m(b[0]), b[1]), optim.adamw(1e-3))
+        strategy: Any = "ddp"
+        if variant == "engine_compiled_overlap":  # an experiment: small buckets, reordered
+            import torch._inductor.config as inductor
+
+            from engine.parallel import DDP
+
+            inductor.reorder_for_compute_comm_overlap = True
+            strategy = DDP(bucket_cap_mb=float(os.environ.get("BUCKET_MB", "0.5")))
         flags: dict[str, Any] = (
             {"barebones": True} if variant == "engine_barebones" else {"enable_progress_bar": False}
         )
         trainer = eg.Trainer(
             accelerator="cpu",
-            strategy="ddp",
+            strategy=strategy,
             devices=WORLD,
             max_steps=total,
             default_root_dir=root,
             callbacks=[Clock()],
-            compile=variant == "engine_compiled",
+            compile=variant.startswith("engine_compiled"),
             **flags,
+            **({"enable_journal": False} if variant == "engine_no_journal" else {}),
         )
         loader = DataLoader(data, batch_size=BATCH, shuffle=True)
         trainer.fit(task, task.init(_model(), seed=0), loader)
@@ -211,7 +228,12 @@ def _load() -> subprocess.Popen[bytes]:
 
 
 def run(
-    rounds: int = 3, warmup: int = 20, steps: int = 100, loaded: bool = True, timeout: float = 600
+    rounds: int = 5,
+    warmup: int = 20,
+    steps: int = 100,
+    loaded: bool = True,
+    timeout: float = 600,
+    variants: tuple[str, ...] = VARIANTS,
 ) -> dict[str, Any]:
     times: dict[str, dict[str, list[float]]] = {}
     conditions = ("quiet", "loaded") if loaded else ("quiet",)
@@ -219,7 +241,7 @@ def run(
         for condition in conditions:
             load = _load() if condition == "loaded" else None
             try:
-                order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+                order = variants[r % len(variants) :] + variants[: r % len(variants)]
                 for v in order:
                     seconds = _launch(v, warmup, steps, timeout)
                     times.setdefault(condition, {}).setdefault(v, []).append(seconds / steps)
@@ -255,7 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--variants", help="comma-separated (default: all)")
+    p.add_argument("--quiet-only", action="store_true", help="no round beside a load")
     p.add_argument("--rank-main", help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--steps", type=int, default=100)
@@ -268,7 +292,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         results = run(rounds=1, warmup=5, steps=20, loaded=False)
     else:
-        results = run(rounds=args.rounds, warmup=args.warmup, steps=args.steps)
+        chosen = tuple(args.variants.split(",")) if args.variants else VARIANTS
+        if "raw" not in chosen:
+            chosen = ("raw", *chosen)
+        results = run(
+            rounds=args.rounds,
+            warmup=args.warmup,
+            steps=args.steps,
+            loaded=not args.quiet_only,
+            variants=chosen,
+        )
     if args.json:
         print(json.dumps(results, indent=2))
     else:

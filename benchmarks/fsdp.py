@@ -18,7 +18,10 @@ two processes:
 * ``zero3``: ``FSDP(sharding_strategy="FULL_SHARD", ...)``: the same, a block's gathered
   parameters freed after its forward and gathered again in backward (``deepspeed_stage_3``);
 * ``torch_ddp``: ``torch.nn.parallel.DistributedDataParallel`` + ``torch.optim.AdamW``, the raw
-  reference for ``ddp``.
+  reference for ``ddp``;
+* ``torch_fsdp2``: torch's own ``fully_shard`` on each ``Block`` and on the model (FULL_SHARD,
+  ``reshard_after_forward=True``) + ``torch.optim.AdamW``: the raw reference for ``zero3``
+  (``fsdp_engine_vs_torch``: ``zero3``'s step time over its).
 
 What is measured, per rank (rank 0's figures; rank 1's are the same up to an uneven shard):
 
@@ -80,7 +83,7 @@ WORLD = 2
 WIDTH, BLOCKS, CLASSES, BATCH = 1024, 6, 10, 64
 QUICK = {"width": 128, "blocks": 4, "batch": 16}
 SHARDED = ("zero2", "zero3")
-VARIANTS = ("ddp", *SHARDED, "torch_ddp")
+VARIANTS = ("ddp", *SHARDED, "torch_ddp", "torch_fsdp2")
 Run = Callable[[], None]
 
 
@@ -214,6 +217,35 @@ def torch_ddp_variant(
     return Variant(run, held)
 
 
+def torch_fsdp2_variant(
+    sizes: dict[str, int], batch: Any, device: torch.device, cuda: bool = False
+) -> Variant:
+    from torch.distributed.fsdp import fully_shard
+
+    m: nn.Module = model(sizes["width"], sizes["blocks"]).to(device)
+    for block in m:
+        if isinstance(block, Block):
+            fully_shard(block)
+    fully_shard(m)
+    opt = torch.optim.AdamW(m.parameters(), fused=True if cuda else None)
+    params = list(m.parameters())
+    b = tuple(t.to(device) for t in batch)
+
+    def run() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(m, b).backward()
+        opt.step()
+
+    def held() -> dict[str, int]:
+        return {
+            "params": local_bytes(params),
+            "opt_state": local_bytes(list(opt.state.values())),
+            "grads": local_bytes([p.grad for p in params if p.grad is not None]),
+        }
+
+    return Variant(run, held)
+
+
 def build(
     rank: int,
     sizes: dict[str, int],
@@ -224,6 +256,7 @@ def build(
     b = data(sizes["width"], sizes["batch"], seed=1000 + rank)
     runs = {k: engine_variant(k, sizes, b, device, devices) for k in ("ddp", *SHARDED)}
     runs["torch_ddp"] = torch_ddp_variant(sizes, b, device, cuda=device.type == "cuda")
+    runs["torch_fsdp2"] = torch_fsdp2_variant(sizes, b, device, cuda=device.type == "cuda")
     return runs
 
 
@@ -353,7 +386,7 @@ def memory(
             forwards.append(-1 if fwd is None else fwd)
         barrier()
         peak = int(statistics.median(peaks))
-        if name != "torch_ddp":  # the gradient sum an accumulated step keeps
+        if not name.startswith("torch_"):  # the gradient sum an accumulated step keeps
             acc = engine_variant(name, sizes, b, device, devices, accumulate=2)
             acc.run()
             held["grads"] = acc.held()["grads"]
@@ -427,7 +460,7 @@ def figures(
         out[f"{name}_step_peak_bytes"] = m["step_peak"]
         out[f"{name}_forward_peak_above_start_bytes"] = m["forward_peak_above_start"]
         out[f"{name}_forward_peak_bytes"] = m["forward_peak"]
-    for name in (*SHARDED, "torch_ddp"):
+    for name in (*SHARDED, "torch_ddp", "torch_fsdp2"):
         m = mem[name]
         for part in ("params", "opt_state", "grads", "total"):
             out[f"{name}_vs_ddp_held_{part}_ratio"] = m[part] / ddp[part] if ddp[part] else None
@@ -439,6 +472,7 @@ def figures(
         out[f"{name}_vs_ddp_step_ratio"] = ratio(name, "ddp")
     out["zero3_vs_zero2_step_ratio"] = ratio("zero3", "zero2")
     out["ddp_vs_torch_ddp_step_ratio"] = ratio("ddp", "torch_ddp")
+    out["fsdp_engine_vs_torch"] = ratio("zero3", "torch_fsdp2")
     return out
 
 
