@@ -402,3 +402,21 @@ def test_an_eager_run_with_blocks_replays_bitwise_and_a_compiled_one_is_refused(
     config.write_text(json.dumps({**json.loads(config.read_text()), "compile": True}))
     with pytest.raises(eg.ReplayError, match=r"compiled with steps_per_call=4.*not bitwise"):
         eg.replay(trainer.run_dir, trust_code=True)
+
+
+def test_reduce_overhead_marks_the_state_static_and_not_the_batch():
+    # CUDA graphs replay a graph at fixed input addresses: the donated state keeps them (its
+    # tensors are updated in place); the batch is new every call. On the CPU the mode only
+    # compiles, and the marks are what a GPU's CUDA graphs read.
+    tx = optim.adamw(1e-2)
+    step = eg.train_step(_ce, tx, compile={"mode": "reduce-overhead"})
+    state = eg.TrainState.create(_mlp(), tx, seed=3)
+    batches = _batches(3)
+    for b in batches:
+        state, _ = step(state, b)
+    ref, _ = _singles(batches, compile=True)
+    _assert_states_equal(state, ref, exact=False)
+    leaves = torch.utils._pytree.tree_leaves((state.params, state.opt_state))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    assert tensors and all(getattr(t, "_dynamo_static_input_type", None) for t in tensors)
+    assert all(getattr(t, "_dynamo_static_input_type", None) is None for t in batches[0])

@@ -72,6 +72,7 @@ class TrainStep:
         extra_keys: tuple[str, ...] = (),
         steps_per_call: int = 1,
         fuse: bool | None = None,
+        static_state: bool | None = None,
     ) -> None:
         self.loss_fn = loss_fn
         self.steps_per_call = _check_steps_per_call(steps_per_call)
@@ -94,6 +95,13 @@ class TrainStep:
         self._fuse = compile is not False if fuse is None else fuse
         self._wrap = wrap
         self._block: Callable | None = None  # the block core, wrapped at the first block
+        # CUDA graphs (compile mode "reduce-overhead") replay a graph whose inputs keep their
+        # addresses; a donated step updates the state's tensors in place, so they do: marked
+        # static, the graph mutates them where they are, instead of being skipped by Inductor
+        # for "mutated inputs" (the batch is not marked: it is new every call)
+        if static_state is None:
+            static_state = isinstance(compile, Mapping) and compile.get("mode") == "reduce-overhead"
+        self._static = static_state
 
     _reader: Any = ()  # () until the first step looks for a frozen set in the optimizer state
 
@@ -241,6 +249,8 @@ class TrainStep:
         if self._block is None:
             self._block = self._wrap(block_core(self))
         _set_mode(state.module, True)
+        if self._static:
+            _mark_static(state)
         frozen, extra = self._frozen_and_extra(state)
         seed = rng.derive_seed(state.seed, state.step, 0, rank=self._rank)
         with rng.seeded(seed, self._rng_devices(state)):
@@ -269,6 +279,8 @@ class TrainStep:
     def _one(self, state: TrainState, batch: Batch, flush: bool) -> tuple[TrainState, Metrics]:
         """One micro-batch (``state`` is the step's own: consumed or copied by the caller)."""
         _set_mode(state.module, True)
+        if self._static:
+            _mark_static(state)
         micro = state.micro_step
         apply = flush or micro + 1 >= self.accumulate
         frozen, extra = self._frozen_and_extra(state)
@@ -400,6 +412,16 @@ def train_step(
         grad_norm=grad_norm,
         steps_per_call=steps_per_call,
     )
+
+
+def _mark_static(state: TrainState) -> None:
+    """Mark the state's tensors as compiled-graph inputs whose address stays across calls
+    (``torch._dynamo.mark_static_address``, unguarded: a tensor that moved, say after a
+    checkpoint load, makes CUDA graphs record again rather than replay stale addresses)."""
+    tree = (state.params, state.buffers, state.opt_state, state.precision, state.grad_accum)
+    for t in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(t, Tensor) and getattr(t, "_dynamo_static_input_type", None) is None:
+            torch._dynamo.mark_static_address(t)
 
 
 def _check_steps_per_call(value: Any) -> int:

@@ -347,6 +347,10 @@ class Pipeline:
             extra_keys=tuple(dict.fromkeys(k for t in self.transforms for k in t.reads_extra)),
             steps_per_call=steps_per_call,
             fuse=any(isinstance(t, Compile) for t in self.transforms),
+            static_state=any(
+                isinstance(t, Compile) and t.options.get("mode") == "reduce-overhead"
+                for t in self.transforms
+            ),
         )
 
     def eval_step(self, fn: Callable[[Any, Any], Any], *, inference_mode: bool = True) -> EvalStep:
