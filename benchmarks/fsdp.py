@@ -193,18 +193,16 @@ def engine_variant(
     return Variant(run, held)
 
 
-def torch_ddp_variant(
-    sizes: dict[str, int], batch: Any, device: torch.device, cuda: bool = False
-) -> Variant:
-    m: nn.Module = model(sizes["width"], sizes["blocks"]).to(device)
-    ddp = nn.parallel.DistributedDataParallel(m, device_ids=[device] if cuda else None)
-    opt = torch.optim.AdamW(ddp.parameters(), fused=True if cuda else None)
-    params = list(ddp.parameters())
+def _torch_loop(wrapped: nn.Module, batch: Any, device: torch.device, cuda: bool) -> Variant:
+    """torch's own loop over ``wrapped`` (a DDP module, or a model ``fully_shard`` sharded):
+    ``zero_grad``, backward, ``torch.optim.AdamW``."""
+    opt = torch.optim.AdamW(wrapped.parameters(), fused=True if cuda else None)
+    params = list(wrapped.parameters())
     b = tuple(t.to(device) for t in batch)
 
     def run() -> None:
         opt.zero_grad(set_to_none=True)
-        loss_fn(ddp, b).backward()
+        loss_fn(wrapped, b).backward()
         opt.step()
 
     def held() -> dict[str, int]:
@@ -215,6 +213,14 @@ def torch_ddp_variant(
         }
 
     return Variant(run, held)
+
+
+def torch_ddp_variant(
+    sizes: dict[str, int], batch: Any, device: torch.device, cuda: bool = False
+) -> Variant:
+    m: nn.Module = model(sizes["width"], sizes["blocks"]).to(device)
+    ddp = nn.parallel.DistributedDataParallel(m, device_ids=[device] if cuda else None)
+    return _torch_loop(ddp, batch, device, cuda)
 
 
 def torch_fsdp2_variant(
@@ -227,23 +233,7 @@ def torch_fsdp2_variant(
         if isinstance(block, Block):
             fully_shard(block)
     fully_shard(m)
-    opt = torch.optim.AdamW(m.parameters(), fused=True if cuda else None)
-    params = list(m.parameters())
-    b = tuple(t.to(device) for t in batch)
-
-    def run() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss_fn(m, b).backward()
-        opt.step()
-
-    def held() -> dict[str, int]:
-        return {
-            "params": local_bytes(params),
-            "opt_state": local_bytes(list(opt.state.values())),
-            "grads": local_bytes([p.grad for p in params if p.grad is not None]),
-        }
-
-    return Variant(run, held)
+    return _torch_loop(m, batch, device, cuda)
 
 
 def build(

@@ -201,7 +201,10 @@ def engine_variant(
     precision: str,
     device: torch.device,
     compile: bool | dict[str, str],
+    steps_per_call: int = 1,
 ) -> Run:
+    """engine's step under the transforms; with ``steps_per_call`` K > 1 one call is K optimizer
+    steps (``run.per_call``: the timing divides by the steps, not the calls)."""
     pipeline = transforms.compose(
         placement=transforms.SingleDevice(device),
         precision=engine_precision(precision),
@@ -209,12 +212,15 @@ def engine_variant(
     )
     tx = optim.adamw(1e-3, fused=device.type == "cuda" or None)
     box = [pipeline.prepare(eg.TrainState.create(make_model(shape), tx, seed=0))]
-    step = pipeline.train_step(loss_fn, tx)
+    step = pipeline.train_step(loss_fn, tx, steps_per_call=steps_per_call)
     moved = pipeline.move(batch)
+    if steps_per_call > 1:
+        moved = [moved] * steps_per_call
 
     def run() -> None:
         box[0], _ = step(box[0], moved)
 
+    run.per_call = steps_per_call  # type: ignore[attr-defined]
     return run
 
 
@@ -228,23 +234,8 @@ def multistep_variant(
     device: torch.device,
     compile: bool | dict[str, str],
 ) -> Run:
-    """``steps_per_call=MULTISTEP_K`` compiled: one call is K optimizer steps (``run.per_call``:
-    the timing divides by the steps, not the calls)."""
-    pipeline = transforms.compose(
-        placement=transforms.SingleDevice(device),
-        precision=engine_precision(precision),
-        compile=compile,
-    )
-    tx = optim.adamw(1e-3, fused=device.type == "cuda" or None)
-    box = [pipeline.prepare(eg.TrainState.create(make_model(shape), tx, seed=0))]
-    step = pipeline.train_step(loss_fn, tx, steps_per_call=MULTISTEP_K)
-    moved = [pipeline.move(batch)] * MULTISTEP_K
-
-    def run() -> None:
-        box[0], _ = step(box[0], moved)
-
-    run.per_call = MULTISTEP_K  # type: ignore[attr-defined]
-    return run
+    """``steps_per_call=MULTISTEP_K`` compiled (:func:`engine_variant`)."""
+    return engine_variant(shape, batch, precision, device, compile, MULTISTEP_K)
 
 
 BUILDERS: dict[str, tuple[Callable[..., Run], bool | dict[str, str]]] = {

@@ -73,6 +73,7 @@ WRONG: dict[str, list[str]] = {
     "plugins": ["abc", "3", "[1, 2]", "{a: 1}"],
     "sync_batchnorm": NOT_A_BOOL,
     "reload_dataloaders_every_n_epochs": ["-1", "1.5", *NOT_A_NUMBER],
+    "steps_per_call": ["0", "-2", "1.5", *NOT_A_NUMBER],
     "default_root_dir": ["[a, b]", "{a: 1}", "[]", "{CONFIG}", "{CONFIG}/sub", ""],
     "compile": ["abc", "[1]", "{nope: 1}", "2"],
     "enable_journal": NOT_A_BOOL,

@@ -84,7 +84,7 @@ class _Services:
         self.agreements = getattr(self, "agreements", 0) + 1
         return progress
 
-    def check(self, state, progress):
+    def check(self, state, progress, *, batch=False):
         assert progress.phase is Phase.BETWEEN
         return self.agree(state, progress)
 
