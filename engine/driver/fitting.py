@@ -35,6 +35,7 @@ from engine.loop.fit import fit as fit_loop
 from engine.plan import schedule
 from engine.plan.config import LoopConfig
 from engine.state import TrainState
+from engine.step import TrainStep
 from engine.task import Task
 
 __all__ = ["Trials", "fit"]
@@ -152,8 +153,12 @@ def _fit(
     built = task.train_step(
         transforms=pipeline, **({"steps_per_call": plan.windows} if plan else {})
     )
-    step = profiler.timed("train_step", built.one if plan else built)
-    steps = profiler.timed("train_step", built.steps) if plan else None
+    steps = None
+    if isinstance(built, TrainStep) and plan is not None:  # a plan: not a custom step_fn
+        step = profiler.timed("train_step", built.one)
+        steps = profiler.timed("train_step", built.steps)
+    else:
+        step = profiler.timed("train_step", built)
     evaluate = (  # built only when there is something to validate (fit has no loaders
         # to add later), so a task without an evaluation function fits without one
         profiler.timed(

@@ -192,19 +192,20 @@ class FitServices(_Services):
         run = self.run
         signals = run.signals
         flags = (progress.should_stop, signals.offer())  # read once, before the collective
+        agreed: tuple[bool | int, ...]
         if not self.several:
-            stop, signalled = flags
+            agreed = flags
         elif self.lazy:
             # the batches until the next agreement: each rank proposes its own from its pace
             # since the last one, and the ranks take the fewest (the maximum of the negatives)
             now = time.monotonic()
             pace = (now - self._mark) / max(self._since, 1)
             proposed = max(1, min(MAX_AGREE_EVERY, int(AGREE_EVERY_S / max(pace, 1e-6))))
-            stop, signalled, fewest = run.strategy.agree((*flags, -proposed))
-            self._since, self._every, self._mark = 0, -int(fewest), now
+            agreed = run.strategy.agree((*flags, -proposed))
+            self._since, self._every, self._mark = 0, -int(agreed[2]), now
         else:
-            stop, signalled = run.strategy.agree(flags)
-        stop, signalled = bool(stop), bool(signalled)
+            agreed = run.strategy.agree(flags)
+        stop, signalled = bool(agreed[0]), bool(agreed[1])
         signals.settle(signalled)  # every rank acts on what the ranks agreed, nothing later
         if stop != progress.should_stop:
             run.hand_over(state, progress)

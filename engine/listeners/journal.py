@@ -285,7 +285,9 @@ class Journal(Listener):
                 self._last_step = state.step
             return
         if rec.block is not None:
-            self._keep_block(state.step, rec.block, rec.run.config.accumulate_grad_batches)
+            config = rec.run.config
+            accumulate = config.accumulate_grad_batches if config is not None else 1
+            self._keep_block(state.step, rec.block, accumulate)
         else:
             loss = rec.outputs.get("loss") if rec.outputs else None
             skipped = rec.outputs.get("skipped") if rec.outputs else None

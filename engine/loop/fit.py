@@ -12,7 +12,7 @@ state). Nothing here reads or writes an attribute of the driver.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -248,7 +248,7 @@ def _train_block(
     block = None
     if len(moved) == 1:
         state, progress, metrics = run.step(state, progress, moved[0], flush=steps)
-        each = [metrics]
+        each: Sequence[Mapping[str, Any]] = [metrics]
     else:
         state, progress, block = run.steps(state, progress, moved)
         each = split_metrics(block, len(moved), config.accumulate_grad_batches)
