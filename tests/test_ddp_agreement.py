@@ -68,14 +68,15 @@ SCRIPT = textwrap.dedent(
     trainer = eg.Trainer(
         accelerator="cpu", strategy="ddp", devices=2, max_epochs=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-        default_root_dir=args["root"],
+        default_root_dir=args["root"], steps_per_call=args.get("steps_per_call", 1),
     )
-    step = None
+    step = fingerprint = None
     try:
-        step = trainer.fit(task, task.init(model, seed=0), DataLoader(Data(), batch_size=4)).step
+        state = trainer.fit(task, task.init(model, seed=0), DataLoader(Data(), batch_size=4))
+        step, fingerprint = state.step, state.fingerprint()
     finally:
         with open(os.path.join(args["root"], f"rank{rank}.json"), "w") as f:
-            json.dump({"agreements": len(calls), "step": step}, f)
+            json.dump({"agreements": len(calls), "step": step, "fingerprint": fingerprint}, f)
     """
 )
 
@@ -115,3 +116,16 @@ def test_a_sigterm_on_one_rank_stops_both_at_the_same_step(tmp_path, listener):
     said = re.findall(r"SIGTERM received: finished step (\d+)", done.stderr)
     assert len(said) >= 2 and set(said) == {str(step)}, (ranks, done.stderr[-4000:])
     assert ranks[0]["agreements"] == ranks[1]["agreements"], ranks
+
+
+def test_blocks_of_steps_under_ddp_end_where_single_steps_do(tmp_path):
+    # eager blocks are their single steps, each with its gradient all-reduce: bitwise
+    runs = {}
+    for k in (1, 4):
+        (tmp_path / str(k)).mkdir()
+        done = _run(tmp_path / str(k), steps_per_call=k)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "runs one optimizer step per call" not in done.stderr  # no listener refused it
+        runs[k] = [json.loads((tmp_path / str(k) / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert runs[1][0]["fingerprint"] == runs[4][0]["fingerprint"] == runs[4][1]["fingerprint"]
+    assert runs[4][0]["step"] == 50

@@ -420,3 +420,38 @@ def test_reduce_overhead_marks_the_state_static_and_not_the_batch():
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     assert tensors and all(getattr(t, "_dynamo_static_input_type", None) for t in tensors)
     assert all(getattr(t, "_dynamo_static_input_type", None) is None for t in batches[0])
+
+
+def test_an_iterable_of_unknown_length_ends_inside_a_block_and_still_equals_single_steps(
+    tmp_path, monkeypatch
+):
+    calls = _count_blocks(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(80, 10, generator=g), torch.randint(0, 5, (80,), generator=g)
+
+    class Stream(torch.utils.data.IterableDataset):  # 10 batches of 8, no len()
+        def __iter__(self):
+            return iter(zip(x.split(8), y.split(8), strict=True))
+
+    results = {}
+    for k in (1, 4):
+        tx = optim.adamw(1e-2)
+        trainer = eg.Trainer(
+            default_root_dir=tmp_path / str(k),
+            steps_per_call=k,
+            max_epochs=2,
+            log_every_n_steps=100,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accumulate_grad_batches=2,
+        )
+        loader = torch.utils.data.DataLoader(Stream(), batch_size=None)
+        results[k] = trainer.fit(
+            eg.Task(_ce, tx), eg.TrainState.create(_mlp(0.2), tx, seed=7), loader
+        )
+    _assert_states_equal(results[4], results[1])
+    assert results[4].step == 10  # 5 windows of 2 an epoch
+    # a block of 4 windows is 8 batches: one from batch 0; the stream ends inside the next
+    # gather (batches 8, 9), which run as single batches
+    assert calls == [(0, 8), (5, 8)]
