@@ -185,21 +185,13 @@ def fit(
                     whole = len(items) == plan.batches and not any(x[2] for x in items[:-1])
                 else:
                     items, whole = [item], False
-                if whole:
-                    state, progress = _train_block(config, run, state, progress, items, offset)
-                    done = _after_batches(
-                        config, run, state, progress, items, offset, validate_this_epoch
+                # a block in one call, or each batch gathered (fewer than a block) alone
+                for run_of in [items] if whole else [[x] for x in items]:
+                    state, progress, stop = _train_batches(
+                        config, run, state, progress, run_of, offset, validate_this_epoch
                     )
-                else:
-                    for one in items:
-                        state, progress = _train_block(config, run, state, progress, [one], offset)
-                        done = _after_batches(
-                            config, run, state, progress, [one], offset, validate_this_epoch
-                        )
-                        state, progress, stop = done
-                        if stop:
-                            break
-                state, progress, stop = done
+                    if stop:
+                        break
                 if stop:
                     break
 
@@ -221,16 +213,18 @@ def fit(
     return state, progress
 
 
-def _train_block(
+def _train_batches(
     config: LoopConfig,
     run: FitServices,
     state: TrainState,
     progress: Progress,
     items: list[Any],
     offset: int,
-) -> tuple[TrainState, Progress]:
+    validate_this_epoch: bool,
+) -> tuple[TrainState, Progress, bool]:
     """Train on one batch, or on a block of them in one call (:mod:`engine.loop.blocks`):
-    its events (once for a block), its step, its metrics to the reducer and the loggers."""
+    its events (once for a block), its step, its metrics to the reducer and the loggers; then
+    its validation check and the signal check. Returns whether the epoch is done."""
     track = not config.barebones  # barebones: no metrics at all
     reducer = progress.reducer
     moved = [run.move(batch) for _, batch, _, _ in items]
@@ -269,21 +263,6 @@ def _train_block(
         batch_idx=batch_idx,
         block=block,
     )
-    return state, progress
-
-
-def _after_batches(
-    config: LoopConfig,
-    run: FitServices,
-    state: TrainState,
-    progress: Progress,
-    items: list[Any],
-    offset: int,
-    validate_this_epoch: bool,
-) -> tuple[TrainState, Progress, bool]:
-    """After a batch (or a block's last): its validation check, the signal check; returns
-    whether the epoch is done."""
-    batch_idx, is_last = items[-1][0] + offset, items[-1][2]
     if validate_this_epoch and _stop_decides(config, state, progress, batch_idx, is_last):
         progress = run.agree(state, progress)  # a stop asked for now validates
     if validate_this_epoch and _validates_after(config, state, progress, batch_idx, is_last):
