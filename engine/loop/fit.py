@@ -12,7 +12,7 @@ state). Nothing here reads or writes an attribute of the driver.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -173,7 +173,7 @@ def fit(
                 if batch_idx < skip:
                     continue
                 plan = run.blocks
-                if plan is not None and blocks.fits(
+                if plan is None or not blocks.fits(
                     config,
                     plan,
                     state,
@@ -181,12 +181,12 @@ def fit(
                     batch_idx=batch_idx,
                     validates=validate_this_epoch,
                 ):
+                    runs: Any = ((item,),)
+                else:  # a block in one call, or each batch gathered (fewer than a block) alone
                     items = blocks.gather(item, loaded, plan.batches)
                     whole = len(items) == plan.batches and not any(x[2] for x in items[:-1])
-                else:
-                    items, whole = [item], False
-                # a block in one call, or each batch gathered (fewer than a block) alone
-                for run_of in [items] if whole else [[x] for x in items]:
+                    runs = (items,) if whole else [(x,) for x in items]
+                for run_of in runs:
                     state, progress, stop = _train_batches(
                         config, run, state, progress, run_of, offset, validate_this_epoch
                     )
@@ -227,31 +227,41 @@ def _train_batches(
     its validation check and the signal check. Returns whether the epoch is done."""
     track = not config.barebones  # barebones: no metrics at all
     reducer = progress.reducer
-    moved = [run.move(batch) for _, batch, _, _ in items]
-    first_idx = items[0][0] + offset
-    batch_idx, is_last, data_position = items[-1][0] + offset, items[-1][2], items[-1][3]
+    last = items[-1]
+    batch_idx, is_last, data_position = last[0] + offset, last[2], last[3]
     if data_position is not progress.data_position:  # None unless stateful
         progress = progress._replace(data_position=data_position)
-    state, progress = run.emit_batch(
-        Event.ON_TRAIN_BATCH_START, state, progress, batch=moved[0], batch_idx=first_idx
-    )
     # the optimizer steps where Lightning's does: after the batch whose index in the epoch
     # completes a window (a resume that changed accumulate_grad_batches at a window boundary
     # steps after a partial one), and after the last batch
     steps = is_last or (batch_idx + 1) % config.accumulate_grad_batches == 0
     block = None
-    if len(moved) == 1:
-        state, progress, metrics = run.step(state, progress, moved[0], flush=steps)
-        each: Sequence[Mapping[str, Any]] = [metrics]
+    if len(items) == 1:  # the hot path: one batch, one step call
+        batch = run.move(last[1])
+        state, progress = run.emit_batch(
+            Event.ON_TRAIN_BATCH_START, state, progress, batch=batch, batch_idx=batch_idx
+        )
+        state, progress, metrics = run.step(state, progress, batch, flush=steps)
+        if track:
+            reducer.update(metrics, batch_size(batch))
     else:
+        moved = [run.move(x[1]) for x in items]
+        batch = moved[-1]
+        state, progress = run.emit_batch(
+            Event.ON_TRAIN_BATCH_START,
+            state,
+            progress,
+            batch=moved[0],
+            batch_idx=items[0][0] + offset,
+        )
         state, progress, block = run.steps(state, progress, moved)
         each = split_metrics(block, len(moved), config.accumulate_grad_batches)
         metrics = each[-1]
-    if track:
-        for batch, m in zip(moved, each, strict=True):
-            reducer.update(m, batch_size(batch))
-        if steps and state.step % config.log_every_n_steps == 0:
-            run.log(state, reducer.step_logged(metrics))
+        if track:
+            for one, m in zip(moved, each, strict=True):
+                reducer.update(m, batch_size(one))
+    if track and steps and state.step % config.log_every_n_steps == 0:
+        run.log(state, reducer.step_logged(metrics))
     # a checkpoint saved from now on still validates on resume
     progress = progress._replace(phase=Phase.BATCH_END)
     state, progress = run.emit_batch(
@@ -259,7 +269,7 @@ def _train_batches(
         state,
         progress,
         outputs=metrics,
-        batch=moved[-1],
+        batch=batch,
         batch_idx=batch_idx,
         block=block,
     )

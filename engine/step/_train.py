@@ -191,8 +191,12 @@ class TrainStep:
         for the block (equal to K single compiled steps within compile's tolerance where the
         loss is not random). Any other call runs single steps, bitwise a loop of them.
         """
-        if self.steps_per_call == 1 and not stacked:
-            return self.one(state, batch, flush=flush)
+        if self.steps_per_call == 1 and not stacked:  # the hot path: no call on the way
+            if self.donate:
+                state._consume("train_step")
+            else:
+                state = state.copy()
+            return self._one(state, batch, flush)
         return self.steps(state, batch, flush=flush, stacked=stacked)
 
     def _own(self, state: TrainState) -> TrainState:
