@@ -56,12 +56,35 @@ SCRIPT = textwrap.dedent(
         return agree(self, flags)
 
     DDP.agree = counting
+    from engine.step import TrainStep
+
+    blocks, steps = [], TrainStep.steps
+
+    def recording(self, state, batches, **kw):
+        blocks.append(state.step)
+        return steps(self, state, batches, **kw)
+
+    TrainStep.steps = recording
     callbacks = []
     if args["listener"]:
         class Watch(eg.Listener):  # may ask to stop (the default): an agreement every batch
             def on_train_batch_end(self, rec):
                 return None
         callbacks.append(Watch())
+    if args.get("epoch_listener"):
+        class AtEpochEnd(eg.Listener):  # may stop (the default): an agreement after every batch
+            def on_train_epoch_end(self, rec):
+                return None
+        callbacks.append(AtEpochEnd())
+    if args.get("rank_zero_listener"):
+        class OnRankZero(eg.Listener):  # hears batches on rank 0 only, and must see each
+            rank_zero_only = True
+
+            def on_train_batch_end(self, rec):
+                return None
+        callbacks.append(OnRankZero())
+    if args.get("journal_every"):  # rank 0's alone: its lines end blocks on every rank alike
+        callbacks.append(eg.listeners.Journal(every_n_steps=args["journal_every"]))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.adamw(1e-2))
@@ -76,7 +99,8 @@ SCRIPT = textwrap.dedent(
         step, fingerprint = state.step, state.fingerprint()
     finally:
         with open(os.path.join(args["root"], f"rank{rank}.json"), "w") as f:
-            json.dump({"agreements": len(calls), "step": step, "fingerprint": fingerprint}, f)
+            out = {"agreements": len(calls), "blocks": blocks}
+            json.dump({**out, "step": step, "fingerprint": fingerprint}, f)
     """
 )
 
@@ -123,9 +147,26 @@ def test_blocks_of_steps_under_ddp_end_where_single_steps_do(tmp_path):
     runs = {}
     for k in (1, 4):
         (tmp_path / str(k)).mkdir()
-        done = _run(tmp_path / str(k), steps_per_call=k)
+        # the journal's lines (every 6 steps; rank 0 writes them) end blocks on both ranks
+        done = _run(tmp_path / str(k), steps_per_call=k, journal_every=6, epoch_listener=True)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "runs one optimizer step per call" not in done.stderr  # no listener refused it
         runs[k] = [json.loads((tmp_path / str(k) / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert runs[1][0]["fingerprint"] == runs[4][0]["fingerprint"] == runs[4][1]["fingerprint"]
     assert runs[4][0]["step"] == 50
+    # the same blocks on both ranks, ended by rank 0's journal lines (6, 12, ...) too
+    assert runs[4][0]["blocks"] == runs[4][1]["blocks"] == [0, 6, 12, 18, 24, 30, 36, 42]
+    assert runs[4][0]["agreements"] == runs[4][1]["agreements"]
+
+
+def test_a_rank_zero_listener_that_must_see_every_batch_turns_blocks_off_on_every_rank(
+    tmp_path,
+):
+    # it is heard on rank 0 only, but decides the plan of both: otherwise rank 0 would run
+    # single steps and rank 1 blocks, and their checks' collectives would not line up
+    done = _run(tmp_path, steps_per_call=4, rank_zero_listener=True, epoch_listener=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("runs one optimizer step per call: OnRankZero must see") == 2
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["blocks"] == ranks[1]["blocks"] == []
+    assert ranks[0]["agreements"] == ranks[1]["agreements"] >= 50

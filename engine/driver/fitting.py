@@ -218,13 +218,16 @@ def _block_plan(run: Run, task: Task) -> BlockPlan | None:
         return None
     why = None
     batch_events = (Event.ON_TRAIN_BATCH_START, Event.ON_TRAIN_BATCH_END)
+    # every listener, rank-zero ones included (the journal, the bar): the plan must be the same
+    # on every rank, or the ranks' checks (and their collectives) would not line up
+    listeners = run.callbacks
     if task.step_fn is not None:
         why = "the task's step_fn is the user's own single step"
     else:
-        inside = [x for x in run.emitter.listeners if _handles(x, STEP_EVENTS)]
+        inside = [x for x in listeners if _handles(x, STEP_EVENTS)]
         per_batch = [
             x
-            for x in run.emitter.listeners
+            for x in listeners
             if _handles(x, batch_events) and not getattr(x, "handles_blocks", False)
         ]
         if inside:
@@ -244,7 +247,7 @@ def _block_plan(run: Run, task: Task) -> BlockPlan | None:
         )
         return None
     ends = [config.log_every_n_steps] if not config.barebones else []
-    for listener in run.emitter.listeners:
+    for listener in listeners:
         if _handles(listener, batch_events):
             ends.extend(n for n in getattr(listener, "block_ends", tuple)() if n)
     return BlockPlan(

@@ -1,10 +1,10 @@
 """K optimizer steps in one call (private): the block core :class:`TrainStep` compiles as one
 graph, and the helpers that split a block's batches and stack its metrics.
 
-A block is ``n`` whole accumulation windows (``n <= steps_per_call``) taken from a state between
-windows. Compiled, the block is one unrolled graph: one Python call, one set of guards and one
-seeding for ``n`` optimizer steps (Keras's ``steps_per_execution``). Eager, it is the same
-single steps a loop would make, so it is bitwise the loop.
+A block is ``steps_per_call`` whole accumulation windows taken from a state between windows.
+Compiled, the block is one unrolled graph: one Python call, one set of guards and one seeding
+for its optimizer steps (Keras's ``steps_per_execution``). Eager, it is the same single steps a
+loop would make, so it is bitwise the loop.
 """
 
 from __future__ import annotations
