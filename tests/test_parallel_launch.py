@@ -293,7 +293,7 @@ def test_selection_order_plugin_then_torchelastic_then_slurm_then_local(monkeypa
 
 _SCRIPT = textwrap.dedent(
     """
-    import datetime, os, sys, time
+    import atexit, datetime, os, sys, time
     import torch, torch.distributed as dist
     from engine.parallel.environments import select_environment
     from engine.parallel.launch import ChildProcessFailed, ScriptLauncher
@@ -310,6 +310,9 @@ _SCRIPT = textwrap.dedent(
         dist.init_process_group(
             "gloo", init_method="env://", timeout=datetime.timedelta(seconds=40)
         )
+        # As engine's strategies do: a process leaving with its group alive (sys.exit
+        # mid-run) tears it down first, or gloo's threads may abort the exit (SIGABRT)
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
         rank = dist.get_rank()
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
