@@ -22,7 +22,7 @@ import difflib
 import enum
 import numbers
 import os
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, MutableMapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
@@ -592,6 +592,12 @@ class Listener:
         """With ``handles_blocks``: global-step intervals whose multiples must end a block
         (the steps at which this listener reads the state). Default: none."""
         return ()
+
+    def block_starts(self) -> Collection[int] | None:
+        """The global steps at which blocks must start, every other step running alone, in
+        place of the Trainer's own rule (a replay's: the blocks its journal recorded, so that a
+        compiled run makes the same calls again). Default ``None``: the Trainer's rule."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -240,7 +240,8 @@ g = torch.Generator().manual_seed(1)
 data = [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)) for _ in range(6)]
 task = eg.Task(loss_fn, optim.adam(0.01), lr=0.01)
 trainer = eg.Trainer(max_epochs=3, log_every_n_steps=1, enable_progress_bar=False,
-                     enable_model_summary=False, logger=False, default_root_dir=sys.argv[1])
+                     enable_model_summary=False, logger=False, default_root_dir=sys.argv[1],
+                     compile=sys.argv[2:] == ["compile"])
 trainer.fit(task, task.init(torch.nn.Linear(3, 1)), data)
 print(trainer.run_dir)
 """
@@ -267,6 +268,28 @@ def test_the_command_line_replays_a_run_without_its_script(tmp_path):
     Journal_path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     diverged = _procs.run([*cli, "--trust-code"], capture_output=True, text=True)
     assert diverged.returncode == 1 and "123.0" in diverged.stdout
+
+
+def test_a_compiled_run_of_a_script_replays_in_a_process_without_its_globals(tmp_path):
+    # The script's loss reads the global F. Its function is pickled by value and its namespace
+    # named __main__; torch.compile reads an inlined function's globals from the module its
+    # namespace names, which in the replaying process is another __main__ (without F).
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_SCRIPT))
+    done = _procs.run(
+        [sys.executable, str(script), str(tmp_path / "out"), "compile"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    run = done.stdout.strip().splitlines()[-1]
+    ok = _procs.run(
+        [sys.executable, "-m", "engine", "replay", run, "--trust-code", "--from", "10"],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "bitwise identical" in ok.stdout
 
 
 def test_enable_journal_false_and_barebones_write_no_run_directory(tmp_path):

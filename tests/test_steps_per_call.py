@@ -392,15 +392,62 @@ def test_a_sigterm_inside_a_block_lands_after_it_and_resumes_bitwise(tmp_path):
     _assert_states_equal(resumed, whole)
 
 
-def test_an_eager_run_with_blocks_replays_bitwise_and_a_compiled_one_is_refused(tmp_path):
+def test_an_eager_run_with_blocks_replays_bitwise_step_by_step(tmp_path, monkeypatch):
     trainer, _ = _fit(tmp_path, "eager", steps_per_call=4, max_epochs=1, log_every_n_steps=5)
+    calls = _count_blocks(monkeypatch)
     report = eg.replay(trainer.run_dir, trust_code=True)
     assert report.identical, str(report)
-    assert report.steps == 20
-    # the same run recorded as compiled (its config.json says so): refused before any step
-    config = Path(trainer.run_dir) / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "compile": True}))
-    with pytest.raises(eg.ReplayError, match=r"compiled with steps_per_call=4.*not bitwise"):
+    assert report.steps == 20 and calls == []  # eager blocks are their single steps
+
+
+def _journal_lines(run_dir):
+    path = Path(run_dir) / "journal.jsonl"
+    return path, [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_a_compiled_run_with_blocks_replays_its_blocks_bitwise(tmp_path, monkeypatch):
+    # 20 batches, K=4, a line every 5 steps, accumulation 2: blocks of 8 batches at steps
+    # 0 and 5 of each 10-step epoch; the other steps run alone
+    calls = _count_blocks(monkeypatch)
+    flags = dict(max_epochs=2, log_every_n_steps=5, accumulate_grad_batches=2, dropout=0.2)
+    saver = eg.ModelCheckpoint(every_n_train_steps=5, save_top_k=-1)
+    trainer, _ = _fit(tmp_path, "run", steps_per_call=4, compile=True, callbacks=[saver], **flags)
+    ran = list(calls)
+    assert ran == [(0, 8), (5, 8), (10, 8), (15, 8)]
+    path, lines = _journal_lines(trainer.run_dir)
+    assert [b for x in lines for b in x.get("blocks", ())] == [[1, 4], [6, 4], [11, 4], [16, 4]]
+
+    calls.clear()
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert report.identical, str(report)
+    assert calls == ran  # the same calls again: each block one graph, as it ran
+    assert report.steps == 20 and report.compared >= 20
+
+    # from a checkpoint between blocks, to a step inside one: the whole block runs
+    calls.clear()
+    report = eg.replay(trainer.run_dir, from_step=11, to_step=13, trust_code=True)
+    assert report.identical, str(report)
+    assert report.start_step == 10 and calls == [(10, 8)]
+
+    # a journal that names no blocks for them: the replay runs single compiled steps, which
+    # match the blocks only within compile's tolerance: the first step of the block differs
+    kept = path.read_text()
+    edited = [
+        {k: v for k, v in x.items() if not (k == "blocks" and x["step"] == 15)} for x in lines
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in edited))
+    report = eg.replay(trainer.run_dir, from_step=11, to_step=20, trust_code=True)
+    assert not report.identical and report.first_divergent_step in range(11, 16), str(report)
+
+    # a fit journaled before journals named blocks: refused, before any step
+    unmarked = [{k: v for k, v in x.items() if k != "records_blocks"} for x in lines]
+    path.write_text("".join(json.dumps(x) + "\n" for x in unmarked))
+    calls.clear()
+    with pytest.raises(eg.ReplayError, match=r"steps_per_call=4, and this fit's journal does not"):
+        eg.replay(trainer.run_dir, trust_code=True)
+    assert calls == []
+    path.write_text(kept.replace("[[6, 4]]", '[[6, "4"]]'))
+    with pytest.raises(eg.ReplayError, match=r"blocks entry \[6, '4'\] is not"):
         eg.replay(trainer.run_dir, trust_code=True)
 
 

@@ -124,7 +124,28 @@ def loads_code(payload: bytes) -> Any:
     for name, lines in sources.items():
         if lines and not os.path.exists(name):  # the script is gone: serve its saved lines
             linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
-    return pickle.loads(inner)
+    return _CodeUnpickler(io.BytesIO(inner)).load()
+
+
+def _make_function(code: types.CodeType, namespace: dict[str, Any], *args: Any) -> Any:
+    """cloudpickle's ``_make_function`` for a function pickled by value, its namespace
+    without ``__name__``: that names the module it was defined in (``__main__`` for a
+    script's), which in this process is another module or none, and ``torch.compile`` reads a
+    function's globals from the module its namespace names: a compiled replay of a script's
+    task would look ``F`` up in the replaying program's ``__main__``. Without the name, the
+    function's own namespace is read (relative imports go by ``__package__``)."""
+    from cloudpickle import cloudpickle
+
+    fn = cloudpickle._make_function(code, namespace, *args)
+    namespace.pop("__name__", None)
+    return fn
+
+
+class _CodeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("cloudpickle.cloudpickle", "_make_function"):
+            return _make_function
+        return super().find_class(module, name)
 
 
 class Rebuild:

@@ -247,11 +247,23 @@ def _block_plan(run: Run, task: Task) -> BlockPlan | None:
         )
         return None
     ends = [config.log_every_n_steps] if not config.barebones else []
+    recorded: dict[str, frozenset[int]] = {}
     for listener in listeners:
         if _handles(listener, batch_events):
             ends.extend(n for n in getattr(listener, "block_ends", tuple)() if n)
+        starts = getattr(listener, "block_starts", lambda: None)()
+        if starts is not None:
+            recorded[type(listener).__name__] = frozenset(starts)
+    if len(set(recorded.values())) > 1:
+        raise ValueError(
+            f"listeners {', '.join(sorted(recorded))} each give the steps where blocks start "
+            "(block_starts), and they differ: a fit runs one plan; keep one of them"
+        )
     return BlockPlan(
-        config.steps_per_call, config.accumulate_grad_batches, tuple(sorted(set(ends)))
+        config.steps_per_call,
+        config.accumulate_grad_batches,
+        tuple(sorted(set(ends))),
+        next(iter(recorded.values()), None),
     )
 
 

@@ -4,7 +4,10 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
 
 * ``journal.jsonl``: JSON lines of ``step``, ``epoch``, ``batch_idx``, ``loss`` and ``lr`` every
   ``every_n_steps`` optimizer steps, with ``losses``: the loss of every optimizer step since the
-  previous such line (the last one is this step's ``loss``), the state's ``fingerprint`` every
+  previous such line (the last one is this step's ``loss``) and, under
+  ``Trainer(steps_per_call=K)``, ``blocks``: ``[first_step, steps]`` of each block among them
+  that ran as one call (what a replay of a compiled run runs as one call again), the state's
+  ``fingerprint`` every
   ``fingerprint_every_n_steps`` steps, and a line (with fingerprint and path) for every
   checkpoint, including the state the fit started from. An asynchronous checkpoint's line is
   written once it is on disk, with the fingerprint its writer hashed from the snapshot (so the
@@ -152,6 +155,7 @@ class Journal(Listener):
         # the loss tensors of the optimizer steps since the last line, and the step of the last
         self._losses: deque[Any] = deque()
         self._losses_to = -1
+        self._blocks: list[tuple[int, int]] = []  # (first step, steps) of the blocks among them
         # lines of asynchronous checkpoints not yet on disk, in the order they were asked for
         self._landing: list[tuple[dict[str, Any], Future[Path]]] = []
         # the start checkpoint this journal asked for (its line is written already), and
@@ -180,6 +184,7 @@ class Journal(Listener):
             self.every_n_steps = run.config.log_every_n_steps if run.config is not None else 50
         self._losses = deque(maxlen=self.every_n_steps or 1)
         self._losses_to = -1
+        self._blocks = []
         self._start, self._release = None, False
         # the state transitions recorded in this run directory (a resumed fit appends)
         self._transitions = len(list(root.glob("transition-*.pkl"))) if self._writes else 0
@@ -207,6 +212,9 @@ class Journal(Listener):
             rec, loss=None, fingerprint=True, checkpoint=os.path.abspath(start), start=True
         )
         line["every_n_steps"] = self.every_n_steps  # a line at least this often: replay checks
+        config = rec.run.config
+        if config is not None and config.steps_per_call > 1:
+            line["records_blocks"] = True  # the lines name the blocks (a replay runs them again)
         if self._transitions:  # made before the start checkpoint was saved: it holds them
             line["transitions"] = self._transitions
         self._put(line)
@@ -296,10 +304,12 @@ class Journal(Listener):
             return
         taken = self._take(state.step)
         if taken is not None:  # this step's loss is the last of them: read with them
-            losses, skips = taken
+            losses, skips, blocks = taken
             line = self._line(rec, loss=losses[-1], fingerprint=with_fp, losses=losses)
             if skips:  # optimizer steps a loss scale skipped (an inf/NaN gradient)
                 line["skipped"] = skips
+            if blocks:
+                line["blocks"] = blocks
             self._put(line)
         else:
             self._put(self._line(rec, loss=loss, fingerprint=with_fp))
@@ -327,18 +337,22 @@ class Journal(Listener):
         stepped = losses[accumulate - 1 :: accumulate]
         skipped = block.get("skipped")
         first = step - len(stepped) + 1
+        self._blocks.append((first, len(stepped)))
         for i, loss in enumerate(stepped):
             self._keep(first + i, loss, None if skipped is None else skipped[i])
 
-    def _take(self, step: int) -> tuple[list[float], list[int]] | None:
-        """The kept losses (of the steps up to ``step``) on the host, and the steps among them
-        that were skipped, read with one sync; the keeping starts over."""
+    def _take(self, step: int) -> tuple[list[float], list[int], list[list[int]]] | None:
+        """The kept losses (of the steps up to ``step``) on the host, the steps among them
+        that were skipped, read with one sync, and the blocks among them (``[first, steps]``);
+        the keeping starts over."""
+        ran, self._blocks = self._blocks, []
         if not self._losses or self._losses_to != step:
             self._losses.clear()
             return None
         kept = list(self._losses)
         self._losses.clear()
         first = step - len(kept) + 1
+        blocks = [[b, n] for b, n in ran if b >= first and b + n - 1 <= step]
         values = [v for v, _ in kept]
         skips = [(first + i, s) for i, (_, s) in enumerate(kept) if s is not None]
         tensors = [t for t in values if isinstance(t, torch.Tensor)]
@@ -352,7 +366,7 @@ class Journal(Listener):
             host = iter(stacked.tolist())  # the one host sync of a journal line
         losses = [float(next(host)) if isinstance(v, torch.Tensor) else float(v) for v in values]
         skipped = [at for at, s in skips if (next(host) if isinstance(s, torch.Tensor) else s)]
-        return losses, skipped
+        return losses, skipped, blocks
 
     def on_state_transition(self, rec: EventRecord) -> None:
         """Record a listener's :class:`~engine.events.Transition`: a line with its position,
@@ -440,9 +454,11 @@ class Journal(Listener):
             line["micro_step"] = state.micro_step
         taken = self._take(state.step)
         if taken is not None:  # the steps since the last line
-            line["losses"], skips = taken
+            line["losses"], skips, blocks = taken
             if skips:
                 line["skipped"] = skips
+            if blocks:
+                line["blocks"] = blocks
         if error is not None:
             line["error"] = error
         elif fingerprint:

@@ -9,6 +9,10 @@ after which validation runs, the fit stops (``max_steps``), metrics are logged
 Elsewhere the loop runs single batches. Because that decision depends on the position alone,
 every block of a run starts and ends at the same batches in a run resumed from any of its
 checkpoints (which are saved between blocks), so the resume is bitwise.
+
+A plan with ``starts`` (a replay's: the blocks its journal recorded) runs a block exactly at
+those steps, whatever validation, logging and the listeners would say (a replay does none of
+them), and single batches everywhere else: the calls the recorded run made, made again.
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ class BlockPlan(NamedTuple):
         accumulate: micro-batches per optimizer step.
         ends: global-step intervals whose multiples end a block (the listeners' and the
             logging's).
+        starts: the global steps at which blocks start, single steps everywhere else (see
+            the module's docstring); ``None``: wherever the rule above lets them.
     """
 
     windows: int
     accumulate: int
     ends: tuple[int, ...] = ()
+    starts: frozenset[int] | None = None
 
     @property
     def batches(self) -> int:
@@ -59,6 +66,16 @@ def fits(
         return False
     if progress.num_training_batches - batch_idx < n:  # the epoch's end inside (or unknown)
         return False
+    if plan.starts is not None:  # recorded: where it started, unless the fit ends inside
+        return state.step in plan.starts and not any(
+            schedule.epoch_done(
+                config,
+                global_step=state.step + w,
+                should_stop=progress.should_stop,
+                epoch=state.epoch,
+            )
+            for w in range(1, plan.windows)
+        )
     for j in range(n - 1):  # after every batch but the block's last
         step = state.step + (j + 1) // plan.accumulate
         if validates and schedule.should_validate(

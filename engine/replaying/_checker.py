@@ -38,7 +38,14 @@ class _Checker(Listener):
     each line of a replayed position holding a loss, learning rate or fingerprint when the replay
     passes its position, and a line whose position the replay passed without reaching it is a
     difference too, so no journaled value of the replayed steps goes unchecked.
+
+    A run compiled with ``steps_per_call`` ran some of its steps in blocks, one graph each,
+    which single steps match only within compile's tolerance: the journal names them
+    (``blocks``), and :meth:`block_starts` makes the replay run the same blocks (its checks see
+    each block's steps at its end).
     """
+
+    handles_blocks = True
 
     def __init__(
         self,
@@ -70,6 +77,8 @@ class _Checker(Listener):
                 self.pending.setdefault(key, []).append(line)
         self.pending = dict(sorted(self.pending.items()))
         self.ends = {_line_key(x) for x in lines if x.get("end")}  # where fits ended
+        #: the journaled blocks (first step -> steps) the replay runs again as blocks
+        self.blocks: dict[int, int] | None = None
         self.span = span
         self.detect_anomaly = detect_anomaly
         self.compared = 0
@@ -111,36 +120,67 @@ class _Checker(Listener):
         lo, hi = self.span
         return self.detect_anomaly and lo <= self.current <= hi
 
+    def block_starts(self) -> frozenset[int] | None:
+        return None if self.blocks is None else frozenset(self.blocks)
+
     def on_train_batch_end(self, rec: EventRecord) -> None:
         state = rec.state
         assert state is not None
         due = self._due(state)  # its collective first: nothing before it can raise
         if self.follows:
             return
+        if rec.block is not None:  # its micro-batches before the last, as if each had ended
+            block_losses: Any = rec.block.get("loss")
+            n = len(block_losses) if block_losses is not None else 0
+            config = rec.run.config
+            accumulate = config.accumulate_grad_batches if config is not None else 1
+            first = state.step - n // accumulate
+            for j in range(n - 1):
+                micro = (j + 1) % accumulate
+                step = first + (j + 1) // accumulate
+                at = (state.epoch, state.batch_idx - (n - 1 - j))
+                self._batch_ended(state, step, micro, at, float(block_losses[j]))
         loss = rec.outputs.get("loss") if isinstance(rec.outputs, Mapping) else None
         value = float(loss) if loss is not None else None
-        self.positions[(state.step, state.micro_step)] = (state.epoch, state.batch_idx)
+        at = (state.epoch, state.batch_idx)
+        self._batch_ended(state, state.step, state.micro_step, at, value)
+        self._compare_at(rec, value if state.micro_step == 0 else None, due)
+
+    def _batch_ended(
+        self,
+        state: TrainState,
+        step: int,
+        micro: int,
+        at: tuple[int, int],
+        value: float | None,
+    ) -> None:
+        """Account for a micro-batch that ended at optimizer step ``step`` (``micro`` into the
+        next window), at ``at`` (epoch, batch index), with loss ``value``: a step's loss is
+        compared with the journal's."""
+        self.positions[(step, micro)] = at
         if (
             value is not None
             and self.first_nonfinite is None
-            and state.micro_step
+            and micro
             and not math.isfinite(value)
-        ):  # a micro-batch inside an accumulation window: its step is the one it will end
-            self.first_nonfinite, self.first_nonfinite_loss = state.step + 1, value
-        if state.micro_step == 0:
-            self.steps += 1
-            if value is not None:
-                self.losses[state.step] = value
-                if self.first_nonfinite is None and not math.isfinite(value):
-                    self.first_nonfinite, self.first_nonfinite_loss = state.step, value
-            for journaled, number in self.step_losses.pop(state.step, ()):
-                self.compared += 1
-                if value is None or not _same(journaled, value):
-                    after = self.matched["loss"]
-                    raise _Diverged.at(state, {"loss": (journaled, value)}, after, number)
-                self.loss_steps.add(state.step)
-                self.matched["loss"] = state.step
-        self._compare_at(rec, value if state.micro_step == 0 else None, due)
+        ):
+            # a micro-batch inside an accumulation window: its step is the one it will end
+            self.first_nonfinite, self.first_nonfinite_loss = step + 1, value
+        if micro:
+            return
+        self.steps += 1
+        if value is not None:
+            self.losses[step] = value
+            if self.first_nonfinite is None and not math.isfinite(value):
+                self.first_nonfinite, self.first_nonfinite_loss = step, value
+        for journaled, number in self.step_losses.pop(step, ()):
+            self.compared += 1
+            if value is None or not _same(journaled, value):
+                diffs = {"loss": (journaled, value)}
+                divergence = Divergence(step, *at, diffs, line=number)
+                raise _Diverged(divergence, after=self.matched["loss"])
+            self.loss_steps.add(step)
+            self.matched["loss"] = step
 
     def on_train_epoch_start(self, rec: EventRecord) -> None:
         self._compare_at(rec, None)

@@ -94,12 +94,9 @@ def _flags(config: dict[str, Any]) -> dict[str, Any]:
     blocks = config.get("steps_per_call", 1)
     if flags.get("compile") and isinstance(blocks, int) and blocks > 1:
         # eager, a block is its single steps (replayed one by one, bitwise); compiled, it is
-        # one graph seeded once, which single compiled steps match only within tolerance
-        raise ReplayError(
-            f"the run was compiled with steps_per_call={blocks}: each block of {blocks} steps "
-            "was one graph, which a replay step by step matches only within compile's "
-            "tolerance, not bitwise. Replay runs recorded with steps_per_call=1 or eager"
-        )
+        # one graph, which single compiled steps match only within tolerance: the replay runs
+        # the journaled blocks again (_Checker.block_starts)
+        flags["steps_per_call"] = blocks
     precision = config.get("precision")
     if precision is not None:  # absent or None: a run before precisions, in float32
         if precision not in PRECISIONS and precision not in (32, "32"):

@@ -108,10 +108,11 @@ def replay(
         kept = [x for x in journal.lines if id(x) not in transitions.deferred]
         checker = _Checker(journal, kept, start_line, to_step, (from_step, to_step))
         checker.transitions = transitions
+        checker.blocks, run_to = _recorded_blocks(journal, start_line, to_step, flags)
         template = load_skeleton(model, task.tx)
         try:
             outcome = _run_checked(
-                task, template, data, ckpt, flags, [checker, transitions], to_step, detect_anomaly
+                task, template, data, ckpt, flags, [checker, transitions], run_to, detect_anomaly
             )
         except _WrongStart as e:
             _pass_over(passed, ckpt, journal, start_line, str(e))
@@ -181,10 +182,11 @@ def _replay_rank(
         journal, kept, start_line, to_step, (from_step, to_step), sharded=sharded, rank=rank
     )
     checker.transitions = transitions
+    checker.blocks, run_to = _recorded_blocks(journal, start_line, to_step, flags)
     template = load_skeleton(model, task.tx)
     listeners = [checker, transitions]
     try:
-        outcome = _run_checked(task, template, data, Path(ckpt), flags, listeners, to_step, False)
+        outcome = _run_checked(task, template, data, Path(ckpt), flags, listeners, run_to, False)
     except _WrongStart as e:
         return {"wrong_start": str(e)}
     if rank:
@@ -197,6 +199,43 @@ def _replay_rank(
         "losses": dict(checker.losses),
         **outcome,
     }
+
+
+def _recorded_blocks(
+    journal: _Lines, start_line: dict[str, Any], to_step: int, flags: dict[str, Any]
+) -> tuple[dict[int, int] | None, int]:
+    """For a run compiled with ``steps_per_call`` (``flags`` has it, see ``_loading._flags``):
+    the blocks its journal names (the step before each -> its steps), which the replay runs as
+    blocks again, and the step to run to: ``to_step``, or the end of the block holding it (a
+    block is one graph: cut short, it would not compute what it did). Else ``(None, to_step)``.
+    """
+    per_call = flags.get("steps_per_call", 1)
+    if per_call == 1:
+        return None, to_step
+    index = next(i for i, x in enumerate(journal.lines) if x is start_line)
+    fits = [i for i, x in enumerate(journal.lines) if x.get("start")]
+    first = max((i for i in fits if i <= index), default=index)
+    blocks: dict[int, int] = {}
+    for line in journal.lines[first:]:
+        if line.get("start") and line["step"] < to_step and not line.get("records_blocks"):
+            raise ReplayError(
+                f"{journal.path}: line {journal.number(line)}: the run was compiled with "
+                f"steps_per_call={per_call}, and this fit's journal does not name its blocks "
+                "(written before journals recorded them): each block was one graph, which "
+                "single steps match only within compile's tolerance, so the replay cannot make "
+                "the run's calls again. Replay a run journaled by this version"
+            )
+        for item in line.get("blocks", ()):
+            ok = isinstance(item, list) and len(item) == 2
+            ok = ok and all(type(v) is int and v >= 1 for v in item)
+            if not ok:
+                raise ReplayError(
+                    f"{journal.path}: line {journal.number(line)}: blocks entry {item!r} is not "
+                    "[first step, steps]"
+                )
+            blocks[item[0] - 1] = item[1]
+    ends = [b + n for b, n in blocks.items() if b < to_step < b + n]
+    return blocks, max(ends, default=to_step)
 
 
 def _no_start(root: Path, from_step: int, passed: list[str]) -> ReplayError:

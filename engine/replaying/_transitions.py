@@ -31,7 +31,12 @@ class _Transitions(Listener):
     Those journaled before the checkpoint the replay starts from are in its state already; those
     after it at the same position (asked for later in the event the checkpoint was saved in, or
     in a later event of that batch) are applied when the replay starts.
+
+    A replay of blocks (:meth:`_Checker.block_starts`) runs the recorded run's blocks, whose
+    events came at the same positions: each transition is due where it was applied.
     """
+
+    handles_blocks = True
 
     def __init__(self, root: Path, journal: _Lines, start_line: dict[str, Any]) -> None:
         lines = journal.lines
