@@ -154,8 +154,9 @@ def time_variants(name: str, rounds: int, steps: int, warmup: int) -> dict[str, 
 
 
 def compile_child(k: int) -> None:
-    """Time the first two calls of a ``steps_per_call=k`` compiled step (the compile, and the
-    recompile for a symbolic step counter) in this fresh process."""
+    """Time the first two calls of a ``steps_per_call=k`` compiled step in this fresh process
+    (the compile; the second call, with the next step number, runs the same graph: the step
+    counter is symbolic from the first call)."""
     sizes, n = SHAPES["tiny"]
     run = multistep_loop(sizes, batch(sizes, n), k)
     t0 = time.perf_counter()

@@ -147,6 +147,16 @@ def test_compiled_block_is_one_graph_and_equals_single_compiled_steps():
         state, m = step(state, batches[i : i + K])
         losses.append(m["loss"])
     assert step._block is not None  # the calls ran as blocks, not as single steps
+    # one graph each, the step counter symbolic from the first call: no recompile for it
+    # (one graph would have been specialised to the first call's step, then compiled again)
+    single = eg.train_step(_ce, tx, compile=True)
+    one = eg.TrainState.create(_mlp(), tx, seed=3)
+    for b in batches[:3]:
+        one, _ = single(one, b)
+    for core in (step._block, single._update):
+        (compiled,) = core.by_module.values()
+        code = compiled._torchdynamo_orig_callable.__code__
+        assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) == 1
     _assert_states_equal(state, ref, exact=False)
     _assert_states_equal(state, eager, exact=False)
     torch.testing.assert_close(

@@ -152,6 +152,8 @@ class TrainStep:
             metrics.update(reported)
         return opt_state, precision, metrics
 
+    _update_core.step_arg = 5  # type: ignore[attr-defined]  # step (after the module)
+
     def _accumulate_core(
         self, module, params, buffers, precision, grad_accum, batch, frozen, extra
     ):
