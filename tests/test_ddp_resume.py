@@ -364,23 +364,6 @@ def test_replay_reexecutes_a_ddp_run_on_its_world_size(two_rank_run, tmp_path):
     assert set(diverged.divergence.values) == {"loss"}
 
 
-@pytest.mark.slow
-def test_replay_of_a_compiled_ddp_run_runs_its_blocks_again_on_every_rank(tmp_path):
-    # 20 batches a rank over 2 epochs, K=4, a journal line every 5 steps: blocks at steps
-    # 0 and 5 of each epoch, each one compiled graph with the gradients' all-reduce in it
-    run = tmp_path / "run"
-    flags = dict(batch=8, epochs=2, compile=True, steps_per_call=4, log_every=5, every=5)
-    _ok(_two(run, **flags))
-    run_dir = run / "lightning_logs" / "version_0"
-    lines = [json.loads(x) for x in (run_dir / "journal.jsonl").read_text().splitlines()]
-    assert [b for x in lines for b in x.get("blocks", ())] == [[1, 4], [6, 4], [11, 4], [16, 4]]
-    report = eg.replay(run_dir, trust_code=True)
-    assert report.identical, str(report)
-    assert report.steps == 20 and report.compared >= 20
-    later = eg.replay(run_dir, from_step=12, to_step=13, trust_code=True)
-    assert later.identical and later.start_step == 10, str(later)
-
-
 def test_replay_runs_a_ddp_journal_on_cpu_ranks_only():
     from engine.replaying import ReplayError
     from engine.replaying._loading import _flags
