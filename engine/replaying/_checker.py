@@ -8,6 +8,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from engine.events import EventRecord, Listener, Stop
 from engine.replaying._journal import _fingerprint, _line_key, _Lines, _state_key
 from engine.replaying._report import Divergence, ReplayError, _Diverged, _WrongStart
@@ -130,8 +132,9 @@ class _Checker(Listener):
         if self.follows:
             return
         if rec.block is not None:  # its micro-batches before the last, as if each had ended
-            block_losses: Any = rec.block.get("loss")
-            n = len(block_losses) if block_losses is not None else 0
+            stacked = rec.block.get("loss")
+            values = [] if stacked is None else torch.as_tensor(stacked).tolist()  # one sync
+            n = len(values)
             config = rec.run.config
             accumulate = config.accumulate_grad_batches if config is not None else 1
             first = state.step - n // accumulate
@@ -139,21 +142,14 @@ class _Checker(Listener):
                 micro = (j + 1) % accumulate
                 step = first + (j + 1) // accumulate
                 at = (state.epoch, state.batch_idx - (n - 1 - j))
-                self._batch_ended(state, step, micro, at, float(block_losses[j]))
+                self._batch_ended(step, micro, at, float(values[j]))
         loss = rec.outputs.get("loss") if isinstance(rec.outputs, Mapping) else None
         value = float(loss) if loss is not None else None
         at = (state.epoch, state.batch_idx)
-        self._batch_ended(state, state.step, state.micro_step, at, value)
+        self._batch_ended(state.step, state.micro_step, at, value)
         self._compare_at(rec, value if state.micro_step == 0 else None, due)
 
-    def _batch_ended(
-        self,
-        state: TrainState,
-        step: int,
-        micro: int,
-        at: tuple[int, int],
-        value: float | None,
-    ) -> None:
+    def _batch_ended(self, step: int, micro: int, at: tuple[int, int], value: float | None) -> None:
         """Account for a micro-batch that ended at optimizer step ``step`` (``micro`` into the
         next window), at ``at`` (epoch, batch index), with loss ``value``: a step's loss is
         compared with the journal's."""
