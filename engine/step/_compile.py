@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.step._model_view import _binder, _Prebound
+from engine.step._threads import compile_small_on_one_thread
 
 _COMPILED_IDS = itertools.count()
 
@@ -89,7 +90,7 @@ class _Compiled:
             on_cpu = all(t.device.type == "cpu" for t in params.values())
             gathers = module in _GATHERING if module is not None else bool(_GATHERING_PURE)
             options["options"] = {"size_asserts": False, "cpp_wrapper": on_cpu and not gathers}
-        return torch.compile(bound, **options)
+        return compile_small_on_one_thread(bound, options)
 
     def __call__(
         self,
