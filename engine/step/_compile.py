@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from engine.step._model_view import _binder, _Prebound
 from engine.step._threads import compile_small_on_one_thread
+from engine.step._unfuse_bias import unfuse_bias_pass
 
 _COMPILED_IDS = itertools.count()
 
@@ -89,7 +90,12 @@ class _Compiled:
             # not take (see gathers_in_graph).
             on_cpu = all(t.device.type == "cpu" for t in params.values())
             gathers = module in _GATHERING if module is not None else bool(_GATHERING_PURE)
-            options["options"] = {"size_asserts": False, "cpp_wrapper": on_cpu and not gathers}
+            tuned: dict[str, Any] = {"size_asserts": False, "cpp_wrapper": on_cpu and not gathers}
+            # F.linear's addmm as mm plus an add Inductor fuses (see _unfuse_bias), unless the
+            # user set a post-grad pass of their own
+            if on_cpu and torch._inductor.config.post_grad_custom_post_pass is None:
+                tuned["post_grad_custom_post_pass"] = unfuse_bias_pass()
+            options["options"] = tuned
         return compile_small_on_one_thread(bound, options)
 
     def __call__(

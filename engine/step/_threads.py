@@ -8,19 +8,18 @@ chunk size, cost more than the work: the tiny benchmark MLP's 8-step block (tens
 4,096 elements) took 85 us a step on 2 threads and 70 us on one, while a 256-wide layer on a
 batch of 128 is 1.16x slower on one (``benchmarks/README.md``). So a CPU graph whose every
 tensor holds at most :data:`SMALL` elements runs with ``torch.set_num_threads(1)`` around each
-call (0.2 us), the count restored after; any other graph runs as compiled.
+call (0.2 us), the thread's count restored after; any other graph runs as compiled.
 
 The choice is made once, from the shapes Dynamo traced, so it is the same in every process that
 compiles the same step: a resumed or replayed run computes with the same threads, and the same
-bits. While a small graph runs, other threads of the process that run torch ops see one thread
-too (the count is the process's).
+bits. The count is the calling thread's (ATen sets OpenMP's and MKL's per-thread settings), so
+other threads of the process keep theirs.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -58,42 +57,19 @@ def is_small_cpu_graph(gm: torch.fx.GraphModule, limit: int = SMALL) -> bool:
     return True
 
 
-class _OneThread:
-    """Sets the process's thread count to 1 while any small graph runs, and back after the
-    last one leaves (a count, under a lock, so two threads calling small graphs at once do not
-    restore each other's one)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._inside = 0
-        self._restore = 1
-
-    def enter(self) -> None:
-        with self._lock:
-            if self._inside == 0:
-                self._restore = torch.get_num_threads()
-                if self._restore != 1:
-                    torch.set_num_threads(1)
-            self._inside += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self._inside -= 1
-            if self._inside == 0 and self._restore != 1:
-                torch.set_num_threads(self._restore)
-
-
-_ONE_THREAD = _OneThread()
-
-
 def _on_one_thread(compiled: Callable) -> Callable:
+    # ATen's thread count is the calling thread's (OpenMP's and MKL's per-thread settings), so
+    # each call sets and restores its own thread's: two threads calling at once do not meet
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
-        _ONE_THREAD.enter()
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return compiled(*args)
+        torch.set_num_threads(1)
         try:
             return compiled(*args)
         finally:
-            _ONE_THREAD.leave()
+            torch.set_num_threads(threads)
 
     return run
 
@@ -127,7 +103,7 @@ def compile_small_on_one_thread(fn: Callable, options: Mapping[str, Any]) -> Cal
     backend = kwargs.pop("backend", "inductor")
     mode = kwargs.pop("mode", None)
     inductor_options = kwargs.pop("options", None)
-    wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+    wrapper: Any = getattr(torch, "_TorchCompileInductorWrapper", None)
     plain = (
         backend != "inductor"
         or wrapper is None

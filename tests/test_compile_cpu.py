@@ -1,0 +1,171 @@
+"""What a compiled step does on the CPU beyond torch.compile's defaults: a small graph runs on one
+thread (engine/step/_threads.py), and a linear layer's bias is added by Inductor's kernels, not by
+ATen's addmm (engine/step/_unfuse_bias.py). Both must keep the step's numbers: checked against
+the eager step."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import engine as eg
+from engine import optim
+from engine.step._threads import SMALL, _on_one_thread, is_small_cpu_graph
+from engine.step._unfuse_bias import unfuse_bias_pass
+
+
+def _mlp(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 4))
+
+
+def _loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _batch(n: int):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def _counting_set_num_threads(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = torch.set_num_threads
+
+    def record(n: int) -> None:
+        calls.append(n)
+        real(n)
+
+    monkeypatch.setattr(torch, "set_num_threads", record)
+    return calls
+
+
+@pytest.mark.parametrize(("width", "batch", "one_thread"), [(16, 32, True), (256, 64, False)])
+def test_a_small_cpu_graph_runs_on_one_thread_a_larger_one_on_the_process_threads(
+    monkeypatch, width, batch, one_thread
+):
+    torch.set_num_threads(2)
+    tx = optim.adamw(1e-2)
+    eager = eg.train_step(_loss, tx)
+    compiled = eg.train_step(_loss, tx, compile=True)
+    s_eager = eg.TrainState.create(_mlp(width), tx, seed=0)
+    s_comp = eg.TrainState.create(_mlp(width), tx, seed=0)
+    b = _batch(batch)
+    s_comp, _ = compiled(s_comp, b)  # compiles
+    calls = _counting_set_num_threads(monkeypatch)
+    for _ in range(3):
+        s_eager, m_eager = eager(s_eager, b)
+        s_comp, m_comp = compiled(s_comp, b)
+    s_eager, m_eager = eager(s_eager, b)
+    assert calls == ([1, 2] * 3 if one_thread else [])
+    assert torch.get_num_threads() == 2
+    torch.testing.assert_close(m_comp["loss"], m_eager["loss"], rtol=1e-5, atol=1e-6)
+    for name, p in s_eager.params.items():
+        torch.testing.assert_close(s_comp.params[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_the_smallness_test_reads_every_computed_tensor_and_what_operations_read():
+    seen: dict[str, bool] = {}
+
+    def backend(name):
+        def compile_(gm, example_inputs):
+            seen[name] = is_small_cpu_graph(gm)
+            return gm.forward
+
+        return compile_
+
+    def f(x, w):
+        return torch.relu(x @ w).sum()
+
+    side = int(SMALL**0.5)
+    small = torch.randn(side, side)
+    torch.compile(f, backend=backend("small"), dynamic=False)(small, small)
+    big = torch.randn(2 * side, side)  # twice the rows: more than SMALL elements
+    torch.compile(f, backend=backend("input"), dynamic=False)(big, small)
+    # a stacked input read only by indexing does not count: its micro-batches do
+    stacked = torch.randn(4, side, side)
+    torch.compile(lambda s, w: f(s[1], w), backend=backend("picked"), dynamic=False)(stacked, small)
+    # symbolic sizes count as large
+    torch.compile(f, backend=backend("dynamic"), dynamic=True)(small, small)
+    assert seen == {"small": True, "input": False, "picked": True, "dynamic": False}
+
+
+def test_one_thread_is_the_calling_threads_and_comes_back_after_a_raise():
+    torch.set_num_threads(2)
+    torch.randn(1 << 20).exp().sum()  # this thread has run a parallel region: counts its own
+    inside, release = threading.Event(), threading.Event()
+    seen: dict[str, int] = {}
+
+    def graph() -> None:
+        seen["inside"] = torch.get_num_threads()
+        inside.set()
+        release.wait(30)
+        raise ValueError("the graph failed")
+
+    def caller() -> None:
+        torch.randn(1 << 20).exp().sum()
+        with pytest.raises(ValueError, match="the graph failed"):
+            _on_one_thread(graph)()
+        seen["caller_after"] = torch.get_num_threads()
+
+    t = threading.Thread(target=caller)
+    t.start()
+    assert inside.wait(30)
+    seen["other_thread"] = torch.get_num_threads()
+    release.set()
+    t.join(timeout=30)
+    assert seen == {"inside": 1, "other_thread": 2, "caller_after": 2}
+    assert torch.get_num_threads() == 2
+
+
+def _post_grad_graph(*args):
+    return make_fx(torch.addmm, tracing_mode="fake")(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_bias_pass_turns_addmm_into_a_product_and_an_add_with_the_same_numbers(dtype):
+    g = torch.Generator().manual_seed(0)
+    bias, x, w = (torch.randn(*s, generator=g, dtype=dtype) for s in ((5,), (3, 4), (4, 5)))
+    gm = _post_grad_graph(bias, x, w)
+    unfuse_bias_pass()(gm.graph)
+    gm.recompile()
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.addmm.default not in targets
+    assert torch.ops.aten.mm.default in targets
+    torch.testing.assert_close(gm(bias, x, w), torch.addmm(bias, x, w), rtol=0, atol=1e-6)
+
+
+def test_the_bias_pass_keeps_addmm_in_half_precision():
+    bias, x, w = torch.zeros(5, dtype=torch.bfloat16), torch.ones(3, 4), torch.ones(4, 5)
+    gm = _post_grad_graph(bias, x.bfloat16(), w.bfloat16())
+    unfuse_bias_pass()(gm.graph)
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.addmm.default in targets
+
+
+def test_a_post_grad_pass_of_the_users_own_is_kept(monkeypatch):
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    ran: list[bool] = []
+
+    class Theirs(CustomGraphPass):
+        def __call__(self, graph):
+            ran.append(any(n.target == torch.ops.aten.addmm.default for n in graph.nodes))
+
+        def uuid(self):
+            return "test_compile_cpu.theirs"
+
+    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", Theirs())
+    # compiled for real: a cached graph would not run the pass
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    tx = optim.sgd(0.1)
+    step = eg.train_step(_loss, tx, compile=True)
+    step(eg.TrainState.create(_mlp(16), tx, seed=0), _batch(32))
+    assert ran and all(ran)  # theirs ran, and saw the addmm ours would have rewritten
