@@ -22,6 +22,8 @@ The package, bottom up (each module imports only those above it in this list):
 * ``_common``: the type aliases (``Batch``, ``Metrics``, ``LossFn``), a loss function's output
   split, metrics detached, the module's mode, the generators a step seeds;
 * ``_model_view``: :class:`ModelView`, the stateless view of a module bound to a state's tensors;
+* ``_threads``: small CPU graphs called on one thread (a backend around Inductor);
+* ``_unfuse_bias``: the post-grad pass that adds a linear layer's bias in Inductor's kernels;
 * ``_compile``: compiled cores, :func:`compile_core` and :func:`gathers_in_graph`;
 * ``_cores``: the pure pieces step transforms wrap, :class:`Forward`, :func:`grad_core`,
   :func:`update_core`, :data:`GradFn`, :data:`UpdateFn`, :func:`total_norm`;
