@@ -34,10 +34,6 @@ __all__ = ["SMALL", "compile_small_on_one_thread", "is_small_cpu_graph"]
 # layers at batch 64 gain 15% on one thread; 128-wide ones (16,384-element weights) are even.
 SMALL = 8192
 
-# consumers that only pick a part of their input (a micro-batch from a stacked block)
-_PICKS = frozenset({operator.getitem})
-
-
 def is_small_cpu_graph(gm: torch.fx.GraphModule, limit: int = SMALL) -> bool:
     """Whether every tensor ``gm`` computes, and every tensor its operations read (an input
     read only by indexing aside), is on the CPU with at most ``limit`` elements (static sizes:
@@ -46,7 +42,7 @@ def is_small_cpu_graph(gm: torch.fx.GraphModule, limit: int = SMALL) -> bool:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         values = [node.meta.get("example_value")]
-        if node.target not in _PICKS:
+        if node.target is not operator.getitem:  # indexing only picks (a stacked micro-batch)
             values += [a.meta.get("example_value") for a in node.all_input_nodes]
         for value in pytree.tree_leaves(values):
             if not isinstance(value, Tensor):
