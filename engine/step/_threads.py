@@ -34,6 +34,7 @@ __all__ = ["SMALL", "compile_small_on_one_thread", "is_small_cpu_graph"]
 # layers at batch 64 gain 15% on one thread; 128-wide ones (16,384-element weights) are even.
 SMALL = 8192
 
+
 def is_small_cpu_graph(gm: torch.fx.GraphModule, limit: int = SMALL) -> bool:
     """Whether every tensor ``gm`` computes, and every tensor its operations read (an input
     read only by indexing aside), is on the CPU with at most ``limit`` elements (static sizes:
