@@ -149,7 +149,7 @@ def test_the_bias_pass_keeps_addmm_in_half_precision():
     assert torch.ops.aten.addmm.default in targets
 
 
-def test_a_post_grad_pass_of_the_users_own_is_kept(monkeypatch):
+def test_a_post_grad_pass_of_the_users_own_is_kept():
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     ran: list[bool] = []
@@ -161,11 +161,14 @@ def test_a_post_grad_pass_of_the_users_own_is_kept(monkeypatch):
         def uuid(self):
             return "test_compile_cpu.theirs"
 
-    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", Theirs())
-    # compiled for real: a cached graph would not run the pass
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     tx = optim.sgd(0.1)
     step = eg.train_step(_loss, tx, compile=True)
-    step(eg.TrainState.create(_mlp(16), tx, seed=0), _batch(32))
+    # torch's own config patches: pytest's monkeypatch undoes a config it did not find in the
+    # module's __dict__ by deleting it, which hides the option from every later test.
+    # Compiled for real: a cached graph would not run the pass.
+    with (
+        torch._inductor.config.patch(post_grad_custom_post_pass=Theirs(), fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        step(eg.TrainState.create(_mlp(16), tx, seed=0), _batch(32))
     assert ran and all(ran)  # theirs ran, and saw the addmm ours would have rewritten

@@ -92,8 +92,10 @@ class _Compiled:
             gathers = module in _GATHERING if module is not None else bool(_GATHERING_PURE)
             tuned: dict[str, Any] = {"size_asserts": False, "cpp_wrapper": on_cpu and not gathers}
             # F.linear's addmm as mm plus an add Inductor fuses (see _unfuse_bias), unless the
-            # user set a post-grad pass of their own
-            if on_cpu and torch._inductor.config.post_grad_custom_post_pass is None:
+            # user set a post-grad pass of their own (read with a default: a config that
+            # unittest.mock or pytest's monkeypatch deleted on undo reads as missing)
+            theirs = getattr(torch._inductor.config, "post_grad_custom_post_pass", None)
+            if on_cpu and theirs is None:
                 tuned["post_grad_custom_post_pass"] = unfuse_bias_pass()
             options["options"] = tuned
         return compile_small_on_one_thread(bound, options)
