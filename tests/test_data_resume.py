@@ -233,6 +233,29 @@ def _fit_plain(dl, k: int, *listeners, **kw) -> tuple[eg.TrainState, torch.Tenso
     return state, torch.stack(seen.seen)
 
 
+def test_a_finished_trainer_and_its_persistent_workers_go_when_dropped_not_at_a_later_gc():
+    # A DataLoader whose persistent workers are left to the garbage collector takes torch 5 s a
+    # worker to shut down (its queues are finalized first), at whatever step the collector runs.
+    # Dropping a Trainer must free its loaders by reference counting: no cycle through it.
+    import gc
+    import time
+    import weakref
+
+    dl = plain_loader(2, persistent_workers=True)
+    trainer = _trainer(max_epochs=1)
+    task = _task()
+    trainer.fit(task, task.init(_model(), seed=5), dl)
+    gone = weakref.ref(trainer), weakref.ref(dl), weakref.ref(dl._iterator)
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        del trainer, dl
+        assert [r() is None for r in gone] == [True, True, True]
+        assert time.perf_counter() - start < 4.0  # the workers shut down at once
+    finally:
+        gc.enable()
+
+
 def test_augmentation_in_a_plain_dataset_is_seeded_from_the_state_and_does_not_depend_on_workers():
     from torch.utils.data import Subset
 

@@ -6,6 +6,7 @@ fit loop (:func:`engine.loop.fit.fit`) over the :class:`~engine.driver.run.Run`.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import attrs
@@ -295,7 +296,19 @@ class Trials:
     search makes it, is no warning), the listeners reading each step's ``outputs``."""
 
     def __init__(self, config: LoopConfig, assembly: Assembly, facade: Any = None) -> None:
-        self.config, self.assembly, self.facade = config, assembly, facade
+        self.config, self.assembly = config, assembly
+        # weakly, as Run holds it: the Trainer's Run holds these Trials, and a cycle back to the
+        # Trainer would leave its dataloaders to the garbage collector, under which torch takes
+        # 5 s a persistent worker to shut down (its queues are finalized before the iterator)
+        self._facade = None if facade is None else weakref.ref(facade)
+
+    @property
+    def facade(self) -> Any:
+        """The Trainer these trials run for, while it lives."""
+        return None if self._facade is None else self._facade()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_facade": None}  # a weak reference does not pickle
 
     def fit(
         self,
