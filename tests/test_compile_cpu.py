@@ -172,3 +172,42 @@ def test_a_post_grad_pass_of_the_users_own_is_kept():
     ):
         step(eg.TrainState.create(_mlp(16), tx, seed=0), _batch(32))
     assert ran and all(ran)  # theirs ran, and saw the addmm ours would have rewritten
+
+
+def _in_loops(cpp: str, token: str) -> list[str]:
+    """The lines of Inductor's C++ source holding ``token`` inside a ``for`` loop's body."""
+    found, depth, loops = [], 0, []
+    for line in cpp.splitlines():
+        if line.lstrip().startswith("for("):
+            loops.append(depth)  # the body is the next brace opened at this depth
+        depth += line.count("{") - line.count("}")
+        while loops and depth <= loops[-1] and "}" in line:
+            loops.pop()
+        if token in line and any(depth > d for d in loops):
+            found.append(line.strip())
+    return found
+
+
+def test_compiled_adams_bias_corrections_run_once_a_step_not_in_every_elements_loop():
+    # Inductor inlines a 0-d tensor's math into each kernel that reads it; C's errno keeps the
+    # compiler from hoisting libm's pow out of the loop, which then ran once per vector of every
+    # parameter (~10% of a compiled medium-MLP step). adaptive.py stacks the corrections.
+    from torch._inductor.utils import run_and_get_code
+
+    tx = optim.adamw(1e-2)
+    step = eg.train_step(_loss, tx, compile=True)
+    eager = eg.train_step(_loss, tx)
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        (state, _), codes = run_and_get_code(
+            step, eg.TrainState.create(_mlp(64), tx, seed=0), _batch(32)
+        )
+    (cpp,) = codes
+    assert "std::pow" in cpp and "for(" in cpp  # the C++ source, with the corrections in it
+    assert _in_loops(cpp, "std::pow") == []
+    assert _in_loops("for(int x=0; x<4; x++)\n{\n  y = std::pow(a, b);\n}\n", "std::pow")
+    expected, _ = eager(eg.TrainState.create(_mlp(64), tx, seed=0), _batch(32))
+    for name, p in expected.params.items():
+        torch.testing.assert_close(state.params[name], p, rtol=1e-5, atol=1e-6)

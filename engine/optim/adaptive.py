@@ -68,11 +68,18 @@ def _adam_corrections(steps: Sequence[Tensor], b1: float, b2: float, lr) -> tupl
     bc1: list[Any]
     bc2_sqrt: list[Any]
     if _tensor_math(list(steps)):
-        bc1 = [1 - torch.pow(b1, _f64(s)) for s in steps]
+        step_size = [(num / (1 - torch.pow(b1, _f64(s)))) * -1 for s in steps]
         bc2_sqrt = [(1 - torch.pow(b2, _f64(s))).sqrt() for s in steps]
-    else:
-        bc1 = [1 - b1 ** s.item() for s in steps]
-        bc2_sqrt = [(1 - b2 ** s.item()) ** 0.5 for s in steps]
+        if len(steps) > 1:
+            # Stacked, so that Inductor computes each correction once: it inlines a 0-d
+            # tensor's math into the loop of every kernel that reads it, where the libm pow
+            # (which C's errno keeps the compiler from hoisting) ran once per vector of every
+            # parameter, ~10% of a compiled step; a stack is realized into a buffer.
+            step_size = list(torch.stack(step_size).unbind())
+            bc2_sqrt = list(torch.stack(bc2_sqrt).unbind())
+        return step_size, bc2_sqrt
+    bc1 = [1 - b1 ** s.item() for s in steps]
+    bc2_sqrt = [(1 - b2 ** s.item()) ** 0.5 for s in steps]
     return [(num / bc) * -1 for bc in bc1], bc2_sqrt
 
 
