@@ -376,3 +376,59 @@ def test_the_event_file_holds_what_tensorboardx_writes(tmp_path):
     assert Path(ours_files[0]).name.split(".")[4:] == Path(theirs_files[0]).name.split(".")[4:]
     a, b = _records(ours_files[0]), _records(theirs_files[0])
     assert len(a) == len(b) == 33 and a[1:] == b[1:]
+
+
+@pytest.mark.parametrize("how", ["add_scalars", "add_hparams"])
+def test_tensorboard_sub_writers_on_a_full_disk_raise_in_the_caller_never_hang(
+    tmp_path, monkeypatch, how
+):
+    """``add_scalars`` (a writer per tag, in sub-directories) and ``add_hparams`` (a writer of
+    its own) open more event files than the run's: theirs fail as the run's does."""
+    real_open = builtins.open
+
+    def opened(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real_open(path, mode, *args, **kwargs)
+        return _FillingFile(f, 4) if "tfevents" in str(path) and "w" in mode else f
+
+    def run() -> Any:
+        lg = TensorBoardLogger(tmp_path, max_queue=3)
+        lg.log_metrics({"a": 0.0}, step=0)
+        lg.save()
+        _enospc_on(monkeypatch, "tfevents", after=0)  # full from here on
+        monkeypatch.setattr(builtins, "open", opened)
+        for step in range(1, 10_000):  # tensorboardX's threaded writers hung at step 4
+            if how == "add_scalars":
+                lg.experiment.add_scalars("loss", {"train": 1.0, "val": 2.0}, step)
+            else:
+                lg.experiment.add_hparams({"lr": 0.1}, {"hp/metric": float(step)}, name=str(step))
+        lg.experiment.flush()
+        return "no error"
+
+    out = _in_child(run)
+    assert out.get("error") == "OSError" and out["errno"] == errno.ENOSPC, out
+    assert "could not " in out["message"] and "the disk is full" in out["message"], out
+    assert str(tmp_path) in out["message"]
+    assert out["seconds"] < 10
+
+
+def test_tensorboard_sub_writers_write_what_tensorboardx_writes_on_the_callers_thread(tmp_path):
+    from tensorboardX import SummaryWriter
+
+    before = {t.ident for t in threading.enumerate()}
+    ours = TensorBoardLogger(tmp_path / "ours", name="", version="v")
+    for writer in (ours.experiment, None):
+        if writer is None:  # tensorboardX's own, once ours is done (it starts threads)
+            writer = SummaryWriter(str(tmp_path / "theirs"))
+        for step in range(5):
+            writer.add_scalars("loss", {"train": 1.0 / (step + 1), "val": 2.0}, step, 1000.0)
+        if writer is ours.experiment:
+            assert {t.ident for t in threading.enumerate()} == before  # no writer thread
+        writer.add_hparams({"lr": 0.1, "layers": 2}, {"hp/acc": 0.5}, name="hp", global_step=3)
+        writer.close()
+    for sub in ("loss/train", "loss/val", "hp"):
+        (a,) = glob.glob(str(tmp_path / "ours" / "v" / sub / "events.out.tfevents.*"))
+        (b,) = glob.glob(str(tmp_path / "theirs" / sub / "events.out.tfevents.*"))
+        ra, rb = _records(a), _records(b)
+        assert len(ra) == len(rb) > 1
+        if sub != "hp":  # the hparams writer stamps its events with the wall time
+            assert ra[1:] == rb[1:], sub

@@ -9,13 +9,13 @@ synchronous ``EventsWriter`` on the calling thread, into a buffer of this module
 (:class:`_RecordFile`) that is appended to the file ``max_queue`` events at a time and at each
 flush. A failed write raises there and then an ``OSError`` that names the file and says what is
 wrong; it is cut back, so the file holds whole records (and TensorBoard reads all of them), and
-the events stay buffered for a later flush once there is room.
+the events stay buffered for a later flush once there is room. The writers ``add_scalars`` (one
+per tag, in sub-directories) and ``add_hparams`` (one of its own) open are synchronous too.
 
 The buffer is reached through tensorboardX's public writer-factory registry (the hook it has for
 ``s3://`` and ``gs://``): ``EventsWriter`` opens ``engine-whole-records:<path>`` and gets a
 :class:`_RecordFile` writing ``<path>``. Only the writer of the run's own directory is
-synchronous: ``add_scalars`` and ``add_hparams`` open tensorboardX's threaded writers of their
-own, in sub-directories.
+synchronous.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tensorboardX import SummaryWriter
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.record_writer import register_writer_factory
+from tensorboardX.summary import hparams
 from tensorboardX.writer import FileWriter
 
 from engine.checkpoint._writable import append_whole, explain
@@ -274,3 +275,46 @@ class SyncSummaryWriter(SummaryWriter):
         self.file_writer = fw
         self.all_writers = {fw.get_logdir(): fw}
         return fw
+
+    def add_scalars(
+        self,
+        main_tag: str,
+        tag_scalar_dict: dict[str, Any],
+        global_step: int | None = None,
+        walltime: float | None = None,
+    ) -> None:
+        """tensorboardX's ``add_scalars``, its writer per tag synchronous as well (opened here
+        under the directory tensorboardX gives it, which it then finds and uses)."""
+        if self._sync_to_disk:
+            logdir = str(self._get_file_writer().get_logdir())
+            for tag in tag_scalar_dict:
+                path = os.path.join(logdir, main_tag, tag)
+                if path not in self.all_writers:
+                    self.all_writers[path] = _FileWriter(path, *self._sync_options)
+        super().add_scalars(main_tag, tag_scalar_dict, global_step, walltime)
+
+    def add_hparams(
+        self,
+        hparam_dict: dict[str, Any],
+        metric_dict: dict[str, Any],
+        name: str | None = None,
+        global_step: int | None = None,
+    ) -> None:
+        """tensorboardX's ``add_hparams`` (the same three summaries and metric scalars, in a
+        sub-directory ``name``, the time by default), through a synchronous writer."""
+        if not self._sync_to_disk:
+            super().add_hparams(hparam_dict, metric_dict, name, global_step)
+            return
+        if type(hparam_dict) is not dict or type(metric_dict) is not dict:
+            raise TypeError(
+                "add_hparams takes two dicts, hparam_dict and metric_dict (got "
+                f"{type(hparam_dict).__name__} and {type(metric_dict).__name__})"
+            )
+        summaries = hparams(hparam_dict, metric_dict)
+        logdir = os.path.join(str(self._get_file_writer().get_logdir()), name or str(time.time()))
+        with SyncSummaryWriter(logdir) as writer:
+            for summary in summaries:
+                writer.file_writer.add_summary(summary)
+            for k, v in metric_dict.items():
+                writer.add_scalar(k, v, global_step)
+        self._get_comet_logger().log_parameters(hparam_dict, step=global_step)
