@@ -105,7 +105,8 @@ def _store(opt_state: Any) -> None:
     benchmark MLP, which glibc trims and page-faults back on every call). A ``cat`` on the CPU
     is a buffer its inputs are computed straight into, so each tensor is written once, where
     it is computed; the state then reads its slice. The values are the same floats, bit for
-    bit, as a single step's (Inductor does not contract multiplies and adds on the CPU).
+    bit, as a single step's (by default Inductor does not contract multiplies and adds on the
+    CPU).
     """
     if not torch.compiler.is_compiling():
         return
