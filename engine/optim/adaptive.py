@@ -65,12 +65,10 @@ def _adam_moments(g, state: ScaleByAdamState, keys, b1, b2, eps, amsgrad, lr):
 def _adam_corrections(steps: Sequence[Tensor], b1: float, b2: float, lr) -> tuple[list, list]:
     """Adam's ``step_size`` (``lr / (1 - b1^t)``, negated) and ``sqrt(1 - b2^t)`` per tensor."""
     num = -1.0 if lr is None else lr
-    bc1: list[Any]
-    bc2_sqrt: list[Any]
     if _tensor_math(list(steps)):
         step_size = [(num / (1 - torch.pow(b1, _f64(s)))) * -1 for s in steps]
         bc2_sqrt = [(1 - torch.pow(b2, _f64(s))).sqrt() for s in steps]
-        if len(steps) > 1:
+        if len(steps) > 1 and len({s.device for s in steps}) == 1:
             # Stacked, so that Inductor computes each correction once: it inlines a 0-d
             # tensor's math into the loop of every kernel that reads it, where the libm pow
             # (which C's errno keeps the compiler from hoisting) ran once per vector of every
@@ -79,8 +77,7 @@ def _adam_corrections(steps: Sequence[Tensor], b1: float, b2: float, lr) -> tupl
             bc2_sqrt = list(torch.stack(bc2_sqrt).unbind())
         return step_size, bc2_sqrt
     bc1 = [1 - b1 ** s.item() for s in steps]
-    bc2_sqrt = [(1 - b2 ** s.item()) ** 0.5 for s in steps]
-    return [(num / bc) * -1 for bc in bc1], bc2_sqrt
+    return [(num / bc) * -1 for bc in bc1], [(1 - b2 ** s.item()) ** 0.5 for s in steps]
 
 
 def _adam_moments_out_of_place(g, state: ScaleByAdamState, keys, b1, b2, eps, amsgrad, lr):
