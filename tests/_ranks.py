@@ -146,7 +146,22 @@ def run_ranks(
                 break
         if errors:
             rank = min(errors)
-            raise AssertionError(f"rank {rank} raised:\n{errors[rank]}")
+            # what the other ranks did: a peer's "connection reset" names no cause, the rank that
+            # died first does (its error, or its exit code when it died without a word)
+            for p in procs:
+                p.join(timeout=5.0)
+            while not out.empty():
+                r, ok, value = out.get()
+                if not ok:
+                    errors.setdefault(r, value)
+            others = [
+                f"rank {r} raised:\n{errors[r]}" if r in errors else f"rank {r}: exit {p.exitcode}"
+                for r, p in enumerate(procs)
+                if r != rank and r not in results
+            ]
+            raise AssertionError(
+                f"rank {rank} raised:\n{errors[rank]}" + "".join(f"\n{o}" for o in others)
+            )
         return [_load(results[r]) for r in range(world)]
     finally:
         for p in procs:
