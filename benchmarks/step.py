@@ -185,28 +185,22 @@ def measure_compile(k: int = 8) -> dict[str, float]:
     import os
     import tempfile
 
-    out = {}
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+    def child(*flags: str) -> float:
         done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.step", "--probe-child"],
+            [sys.executable, "-m", "benchmarks.step", *flags],
             check=True,
             capture_output=True,
             text=True,
             env=env,
         )
-        out["inductor_probes_s"] = json.loads(done.stdout.strip().splitlines()[-1])["compile_s"]
+        return json.loads(done.stdout.strip().splitlines()[-1])["compile_s"]
+
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        out["inductor_probes_s"] = child("--probe-child")
         for kind in ("cold", "warm"):
-            done = subprocess.run(
-                [sys.executable, "-m", "benchmarks.step", "--compile-child", str(k)],
-                check=True,
-                capture_output=True,
-                text=True,
-                env=env,
-            )
-            out[f"multistep_compile_{kind}_s"] = json.loads(done.stdout.strip().splitlines()[-1])[
-                "compile_s"
-            ]
+            out[f"multistep_compile_{kind}_s"] = child("--compile-child", str(k))
     return out
 
 
