@@ -29,6 +29,19 @@ def _run_in_a_fresh_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture(autouse=True)
+def _keep_the_thread_count():
+    """A test that sets ``torch.set_num_threads`` gets the process's count back after it: CPU
+    matrix products' bits depend on the thread count, so a later test comparing a run in this
+    process with one in a child process (which starts with the environment's count) would
+    otherwise compare two thread counts."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need a CUDA device: without one they are skipped, saying so."""
     import torch

@@ -11,6 +11,7 @@ from torch import Tensor
 from engine.optim.base import (
     Params,
     ScheduleLike,
+    StepCounters,
 )
 
 Mask = Mapping[str, bool] | Callable[[Params], Mapping[str, bool]]
@@ -87,9 +88,17 @@ def _zeros(params: Params) -> dict[str, Tensor]:
     return {k: torch.zeros_like(p, memory_format=torch.preserve_format) for k, p in params.items()}
 
 
-def _steps(params: Params) -> dict[str, Tensor]:
-    """Per-parameter float32 step counters on the parameter's device, as torch.optim keeps them."""
+def _steps(params: Params, *, host: bool = False) -> dict[str, Tensor]:
+    """Per-parameter float32 step counters, as torch.optim keeps them: with ``host``, on the CPU
+    in :class:`StepCounters` (its default Adam's); otherwise on each parameter's device."""
+    if host:
+        return StepCounters({k: torch.zeros((), dtype=torch.float32) for k in params})
     return {k: torch.zeros((), dtype=torch.float32, device=p.device) for k, p in params.items()}
+
+
+def _like(counters: dict[str, Tensor], keys: list[str], steps: Any) -> dict[str, Tensor]:
+    """New counters ``steps`` for ``keys`` in the container type of ``counters``."""
+    return type(counters)(zip(keys, steps, strict=True))
 
 
 def _tensor_math(steps: list[Tensor]) -> bool:

@@ -18,6 +18,7 @@ from engine.optim._common import (
     _check_range,
     _f64,
     _increment,
+    _like,
     _lr_at,
     _real_only,
     _steps,
@@ -95,7 +96,9 @@ def _adam_moments_out_of_place(g, state: ScaleByAdamState, keys, b1, b2, eps, am
     def keyed(ts: Sequence[Tensor]) -> dict[str, Tensor]:
         return dict(zip(keys, ts, strict=True))
 
-    new = ScaleByAdamState(keyed(steps), keyed(m), keyed(v), keyed(vmax) if amsgrad else {})
+    new = ScaleByAdamState(
+        _like(state.step, keys, steps), keyed(m), keyed(v), keyed(vmax) if amsgrad else {}
+    )
     return new, step_size, denom, m
 
 
@@ -135,6 +138,7 @@ def scale_by_adam(
     amsgrad: bool = False,
     *,
     lr: ScheduleLike | None = None,
+    host_counters: bool = True,
 ) -> GradientTransformation:
     """Adam's rescaling: ``m_hat / (sqrt(v_hat) + eps)`` with bias-corrected moments.
 
@@ -146,8 +150,10 @@ def scale_by_adam(
             ``-lr * m_hat / (sqrt(v_hat) + eps)``, computed in torch.optim's op order; the
             terminal ``apply`` then is torch.optim.Adam's ``addcdiv_``. When ``None`` the output is
             the direction, for :func:`scale_by_learning_rate` to scale.
-
-    The state keeps per-parameter float32 ``step`` tensors, like torch.optim.
+        host_counters: keep the per-parameter float32 ``step`` tensors on the CPU in
+            :class:`~engine.optim.StepCounters`, as torch.optim's default Adam does (the bias
+            corrections are then Python floats, its CUDA bits); ``False`` puts them on each
+            parameter's device, as its ``fused`` and ``capturable`` Adam do.
 
     Example:
         >>> import torch
@@ -166,7 +172,10 @@ def scale_by_adam(
     def init(params: Params) -> ScaleByAdamState:
         _real_only(params, "scale_by_adam")
         return ScaleByAdamState(
-            _steps(params), _zeros(params), _zeros(params), _zeros(params) if amsgrad else {}
+            _steps(params, host=host_counters),
+            _zeros(params),
+            _zeros(params),
+            _zeros(params) if amsgrad else {},
         )
 
     def update(updates: Updates, state: ScaleByAdamState, params: Params, step: int):
@@ -405,7 +414,7 @@ def scale_by_adagrad(
         std = torch._foreach_add(_sqrt(sums), eps)
         out = torch._foreach_div(torch._foreach_mul(g, clr), std)
         new = ScaleByAdagradState(
-            dict(zip(keys, steps, strict=True)), dict(zip(keys, sums, strict=True))
+            _like(state.step, keys, steps), dict(zip(keys, sums, strict=True))
         )
         return dict(zip(keys, out, strict=True)), new
 

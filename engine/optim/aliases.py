@@ -13,7 +13,7 @@ form agrees with torch.optim to float rounding (about 1e-7 relative per step).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -21,6 +21,7 @@ import torch
 from engine.optim._common import Mask, _check_betas, _check_lr, _check_range, _lr_at
 from engine.optim.adaptive import scale_by_adagrad, scale_by_adam, scale_by_lion, scale_by_rms
 from engine.optim.base import (
+    ApplyFn,
     GradientTransformation,
     OptState,
     Params,
@@ -222,10 +223,13 @@ def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, d
     weight_decay = _check_range("weight_decay", weight_decay, 0.0)
     members = _gradient_prefix(maximize, 0.0 if decoupled else weight_decay, mask)
     adam_at = len(members)
-    members.append(scale_by_adam(b1, b2, eps, amsgrad, lr=lr))
+    # torch.optim keeps the counters on the host unless fused (its kernel reads them on device)
+    members.append(scale_by_adam(b1, b2, eps, amsgrad, lr=lr, host_counters=fused is not True))
     if weight_decay != 0 and decoupled:
         members.append(_decay(decoupled_weight_decay(weight_decay, lr), mask))
     base = chain(*members)
+    if weight_decay != 0 and decoupled:
+        base = _decayed_first(base, members, adam_at, weight_decay, lr, mask)
     fused_op = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def kernel(keys, grads, state, params, step, decay) -> None:
@@ -250,6 +254,39 @@ def _adam_family(lr, betas, eps, weight_decay, amsgrad, maximize, mask, fused, d
         )
 
     return attrs.evolve(_with_fused(base, kernel, fused, name, mask), name=_TORCH_NAMES[name])
+
+
+def _decayed_first(
+    base: GradientTransformation,
+    members: list[GradientTransformation],
+    adam_at: int,
+    weight_decay: float,
+    lr: ScheduleLike,
+    mask: Mask | None,
+) -> GradientTransformation:
+    """``base`` (``..., scale_by_adam, decoupled decay``) with torch.optim.AdamW's terminal op
+    order: the parameters decayed in place first, then Adam's ``apply`` (its ``addcdiv_``)
+    into them. On CUDA ``addcdiv_`` computes ``p + s * (m / d)`` in one kernel, which adding
+    an update ``s * m / d`` after the decay does not reproduce bit for bit; on the CPU the two
+    are the same bits. The state is ``base``'s."""
+    head, adam = members[:adam_at], members[adam_at]
+    adam_apply = cast(ApplyFn, adam.apply)  # scale_by_adam(lr=...) has one
+
+    def apply(grads: Updates, state: OptState, params: Params, step: int) -> OptState:
+        if not grads:
+            return state
+        new = []
+        for t, s in zip(head, state, strict=False):
+            grads, s = t.update(grads, s, params, step)
+            new.append(s)
+        decays = _resolve(mask, params, "mask") if mask is not None else None
+        decayed = [p for k, p in params.items() if decays is None or bool(decays[k])]
+        if decayed:
+            torch._foreach_mul_(decayed, 1 - _lr_at(lr, step) * weight_decay)
+        new.append(adam_apply(grads, state[adam_at], params, step))
+        return (*new, *state[adam_at + 1 :])
+
+    return attrs.evolve(base, apply=apply)
 
 
 def adam(

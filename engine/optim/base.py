@@ -460,4 +460,61 @@ def tree_tensors(tree: Any) -> list[Tensor]:
     return [x for x in pytree.tree_leaves(tree) if isinstance(x, Tensor)]
 
 
+class StepCounters(dict):
+    """Per-parameter step counters that an optimizer reads on the host, as torch.optim's
+    default (not ``capturable``, not ``fused``) Adam keeps ``state["step"]`` on the CPU.
+
+    A ``dict`` of 0-d float32 tensors that pytrees walk like a dict (the same key paths in a
+    state dict). Placement leaves it where it is: :class:`~engine.transforms.SingleDevice`
+    puts the parameters and the moments on the accelerator and keeps these on the CPU, so
+    the bias corrections are Python floats read with ``.item()`` and no host-device sync,
+    the ops and scalars of torch's default CUDA path, bit for bit. A compiled step
+    (:class:`~engine.transforms.Compile`) has them moved next to the parameters instead, as
+    torch.optim's ``capturable`` counters, so the whole step stays one device graph (and CUDA
+    graphs can capture it).
+
+    Example:
+        >>> import torch
+        >>> from engine import optim
+        >>> state = optim.adam(1e-3).init({"w": torch.zeros(2)})
+        >>> type(state.step).__name__, state.step["w"].device.type
+        ('StepCounters', 'cpu')
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"StepCounters({dict.__repr__(self)})"
+
+
+pytree.register_pytree_node(
+    StepCounters,
+    lambda d: (list(d.values()), list(d.keys())),
+    lambda values, keys: StepCounters(zip(keys, values, strict=True)),
+    serialized_type_name="engine.optim.StepCounters",
+    flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()], list(d)),
+)
+
+
+def map_placed(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` over the leaves of ``tree`` that live with the parameters: every leaf but the
+    :class:`StepCounters`, which are kept as they are (placement's rule for a state)."""
+    return pytree.tree_map(
+        lambda x: x if isinstance(x, StepCounters) else fn(x),
+        tree,
+        is_leaf=lambda x: isinstance(x, StepCounters),
+    )
+
+
+def map_counters(fn: Callable[[Tensor], Tensor], tree: Any) -> Any:
+    """``fn`` over the tensors of the :class:`StepCounters` in ``tree``, the rest kept."""
+    return pytree.tree_map(
+        lambda x: (
+            StepCounters({k: fn(v) for k, v in x.items()}) if isinstance(x, StepCounters) else x
+        ),
+        tree,
+        is_leaf=lambda x: isinstance(x, StepCounters),
+    )
+
+
 ScheduleLike = float | Callable[[int], float]

@@ -335,8 +335,11 @@ class DDP(Strategy):
             if isinstance(t, Tensor)
         ]
         with torch.no_grad(), _watchdog.guard("the broadcast of rank 0's state (prepare)"):
+            carrier = _host_carrier()
             for bucket in _buckets(tensors, self.bucket_cap_mb):
                 flat = _flatten_dense_tensors(bucket)
+                if carrier is not None and flat.is_cpu:  # the optimizer's host step counters
+                    flat = flat.to(carrier)
                 dist.broadcast(flat, src=0)
                 for t, v in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                     t.copy_(v)
@@ -621,6 +624,14 @@ def _already_sharded(loader: Any) -> bool:
     return isinstance(sampler, torch.utils.data.DistributedSampler) or isinstance(
         getattr(bs, "sampler", None), torch.utils.data.DistributedSampler
     )
+
+
+def _host_carrier() -> torch.device | None:
+    """The device that carries CPU tensors for a backend that cannot (NCCL: this rank's GPU);
+    ``None`` when the backend takes them as they are (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def _buckets(tensors: Sequence[Tensor], cap_mb: float) -> list[list[Tensor]]:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from engine.optim.base import GradientTransformation
+from engine.optim.base import GradientTransformation, StepCounters, map_counters, map_placed
 from engine.state import TrainState
 from engine.step import compile_core
 from engine.transforms.base import Strategy, Transform
@@ -79,7 +79,7 @@ class SingleDevice(Transform):
                 for k, v in state.params.items()
             },
             buffers={k: v.to(device) for k, v in state.buffers.items()},
-            opt_state=pytree.tree_map(to, state.opt_state),
+            opt_state=map_placed(to, state.opt_state),  # step counters stay on the host
             grad_accum=None if state.grad_accum is None else pytree.tree_map(to, state.grad_accum),
             precision=pytree.tree_map(to, state.precision),
             _ownership=type(state._ownership)(),
@@ -164,6 +164,24 @@ class Compile(Transform):
 
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self.options = dict(options or {})
+
+    def prepare(self, state: TrainState) -> TrainState:
+        """The optimizer's host step counters (:class:`~engine.optim.StepCounters`) moved next
+        to the parameters, as torch.optim's ``capturable`` ones: host scalars would split the
+        graph's device work and keep CUDA graphs from capturing it. The compiled step computes
+        the bias corrections on the device."""
+        device = next((p.device for p in state.params.values()), None)
+        counters = [
+            x
+            for x in pytree.tree_leaves(
+                state.opt_state, is_leaf=lambda x: isinstance(x, StepCounters)
+            )
+            if isinstance(x, StepCounters)
+        ]
+        if device is None or all(t.device == device for c in counters for t in c.values()):
+            return state
+        state.check_alive("Compile.prepare()")
+        return state.replace(opt_state=map_counters(lambda t: t.to(device), state.opt_state))
 
     def wrap_core(self, core: Callable) -> Callable:
         return compile_core(core, self.options)

@@ -1,0 +1,2 @@
+import torch, sys
+sys.path.insert(0, "tests")
