@@ -476,8 +476,8 @@ class StepCounters(dict):
     Example:
         >>> import torch
         >>> from engine import optim
-        >>> state = optim.adam(1e-3).init({"w": torch.zeros(2)})
-        >>> type(state.step).__name__, state.step["w"].device.type
+        >>> (adam,) = optim.adam(1e-3).init({"w": torch.zeros(2)})
+        >>> type(adam.step).__name__, adam.step["w"].device.type
         ('StepCounters', 'cpu')
     """
 

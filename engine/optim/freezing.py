@@ -28,6 +28,7 @@ from engine.optim.base import (
     GradientTransformation,
     OptState,
     Params,
+    StepCounters,
     Updates,
     apply_updates,
     recorded,
@@ -122,10 +123,11 @@ def _frozen_mask(spec: FrozenSpec, params: Params) -> dict[str, bool]:
 
 
 def _per_param(names: frozenset[str]) -> Callable[[Any], bool]:
-    """Whether a state node is a dict keyed by parameter names (or an empty dict)."""
+    """Whether a state node is a dict keyed by parameter names (or an empty dict): a plain dict
+    or Adam's :class:`~engine.optim.StepCounters`, whose type a cut or merge keeps."""
 
     def test(x: Any) -> bool:
-        return type(x) is dict and all(isinstance(k, str) and k in names for k in x)
+        return type(x) in (dict, StepCounters) and all(isinstance(k, str) and k in names for k in x)
 
     return test
 
@@ -136,7 +138,7 @@ def _restrict(tree: OptState, names: frozenset[str], keep: Iterable[str]) -> Opt
     is_leaf = _per_param(names)
 
     def cut(x: Any) -> Any:
-        return {k: v for k, v in x.items() if k in keep} if is_leaf(x) else x
+        return type(x)((k, v) for k, v in x.items() if k in keep) if is_leaf(x) else x
 
     return pytree.tree_map(cut, tree, is_leaf=is_leaf)
 
@@ -159,7 +161,7 @@ def _merge(
     out = []
     for a, b in zip(full_leaves, part_leaves, strict=True):
         if is_leaf(a) and is_leaf(b):
-            out.append({k: b.get(k, v) for k, v in a.items()})
+            out.append(type(a)((k, b.get(k, v)) for k, v in a.items()))
         else:
             out.append(b if others_from_part else a)
     return pytree.tree_unflatten(out, spec)
