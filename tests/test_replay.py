@@ -519,3 +519,49 @@ def test_an_edited_loss_at_a_step_whose_loss_matched_is_named_once(tmp_path, cap
     assert main(["replay", str(run), "--trust-code"]) == 1
     out = capsys.readouterr().out
     assert "first divergence at step 30" in out and "(30, 30]" not in out
+
+
+def test_a_replay_computes_with_the_runs_thread_count(tmp_path):
+    """A loss reduced over 2**18 elements is summed in per-thread parts: the run on one thread,
+    its replay in a process now on two still computes its bits (config.json's ``threads``);
+    without the recorded count (a run journaled before it) the replay differs at step 1, so
+    the check can fail."""
+    wide = 1 << 16
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(3, wide)
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 3, generator=g), torch.randn(4, wide, generator=g)) for _ in range(3)]
+    task = eg.Task(lambda m, b: F.mse_loss(m(b[0]), b[1]), optim.sgd(0.1))
+    torch.set_num_threads(1)  # the autouse fixture gives the process's count back after
+    trainer = _fit(
+        tmp_path,
+        task=task,
+        data=data,
+        state=task.init(model(), seed=7),
+        max_epochs=2,
+        accumulate_grad_batches=1,
+        log_every_n_steps=1,
+    )
+    config = Path(trainer.run_dir) / "config.json"
+    assert json.loads(config.read_text())["threads"] == 1
+    torch.set_num_threads(2)
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert report.identical, str(report)
+    assert torch.get_num_threads() == 2  # the caller's count back
+    recorded = json.loads(config.read_text())
+    del recorded["threads"]
+    config.write_text(json.dumps(recorded))
+    report = eg.replay(trainer.run_dir, trust_code=True)
+    assert not report.identical and report.first_divergent_step == 1, str(report)
+
+
+def test_a_recorded_thread_count_that_is_not_a_count_is_refused_naming_it(tmp_path):
+    trainer = _fit(tmp_path, max_epochs=1)
+    config = Path(trainer.run_dir) / "config.json"
+    for bad in (0, -2, "4", 2.0, True):
+        config.write_text(json.dumps({**json.loads(config.read_text()), "threads": bad}))
+        with pytest.raises(eg.ReplayError, match=r"threads=.* is not a thread count"):
+            eg.replay(trainer.run_dir, trust_code=True)

@@ -503,3 +503,26 @@ def test_every_training_loader_a_fit_positioned_is_put_back(tmp_path):
     for loader in dm.made:
         assert loader.sampler.generator is None
         assert not isinstance(loader.batch_sampler.sampler, _SkipFirst)
+
+
+def test_a_cpu_fit_resumed_on_another_thread_count_is_warned_about(tmp_path):
+    """A CPU reduction sums per-thread parts: the resume says which count continues the run
+    exactly, and says nothing under the same count."""
+    task, data = _task(), _data(4)
+    ckpt = tmp_path / "c"
+    torch.set_num_threads(1)  # the autouse fixture gives the process's count back after
+    _trainer(max_epochs=1, callbacks=[_SaveAt(2, ckpt)], max_steps=3).fit(
+        task, task.init(_model(), seed=5), data
+    )
+    assert checkpoint.read_meta(ckpt)["extra"]["config"]["threads"] == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(max_epochs=1).fit(task, task.init(_model()), data, ckpt_path=ckpt)
+    assert not [w for w in caught if "thread" in str(w.message)]
+    torch.set_num_threads(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(max_epochs=1).fit(task, task.init(_model()), data, ckpt_path=ckpt)
+    (said,) = [str(w.message) for w in caught if "thread" in str(w.message)]
+    assert "saved by a fit on 1 thread(s)" in said and "computes on 2" in said
+    assert "torch.set_num_threads(1)" in said

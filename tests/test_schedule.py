@@ -361,7 +361,7 @@ def test_a_checkpoint_records_the_resolved_config_and_no_run_state(tmp_path):
     trainer.fit(task, task.init(nn.Linear(3, 1)), data, data[:1])
     saved = checkpoint.read_meta(trainer.save_checkpoint(tmp_path / "c"))["extra"]["config"]
     assert saved == json.loads(json.dumps(trainer.config.to_json()))
-    assert set(saved) == {f.name for f in attrs.fields(LoopConfig)} | {"torch_version"}
+    assert set(saved) == {f.name for f in attrs.fields(LoopConfig)} | {"torch_version", "threads"}
     run_state = {"stage", "should_stop", "sanity_checking", "num_training_batches", "task"}
     assert not run_state & set(saved)
     assert saved["max_epochs"] == -1 and saved["max_time"] == 3600.0

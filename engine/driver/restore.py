@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from engine import checkpoint, privacy, transforms
 from engine.driver.run import Run
@@ -71,6 +74,7 @@ def restore(run: Run, ckpt_path: str | os.PathLike[str], template: TrainState) -
     fit = run.stage == "fit" and (path / checkpoint.META).is_file()  # else load says why
     if fit:
         _check_precision(run, path)
+        _check_threads(run, path)
         meta = checkpoint.read_meta(path)
         accumulate = (meta.get("extra", {}).get("config") or {}).get("accumulate_grad_batches")
         positions.check_world(path, meta, world_size=run.world_size, accumulate=accumulate)
@@ -124,6 +128,23 @@ def _check_precision(run: Run, path: Path) -> None:
             f"exactly only under the same one: Trainer(precision={saved!r}). To go on under "
             "another, start a new fit from its weights (checkpoint.load_weights(path, "
             "model), then task.init(model))"
+        )
+
+
+def _check_threads(run: Run, path: Path) -> None:
+    """Warn when a CPU fit resumes on another thread count than it was saved on: a CPU
+    reduction (a loss's mean over many elements) sums per-thread parts, so the continued run
+    is not bitwise the uninterrupted one (a replay sets the recorded count itself)."""
+    saved = _saved_config(path).get("threads")
+    now = torch.get_num_threads()
+    if type(saved) is int and saved != now and run.config.device.startswith("cpu"):
+        warnings.warn(
+            f"fit(ckpt_path={str(path)!r}): the checkpoint was saved by a fit on {saved} "
+            f"thread(s) and this process computes on {now}; CPU reductions sum per-thread "
+            f"parts, so the resumed fit will not be bitwise the uninterrupted one. For an "
+            f"exact continuation call torch.set_num_threads({saved}) first (or set "
+            f"OMP_NUM_THREADS={saved})",
+            stacklevel=4,
         )
 
 

@@ -18,11 +18,12 @@ A journal is what :func:`engine.replay` checks a re-execution against. The run d
 * ``config.json``: the Trainer's resolved flags (``trainer.config.to_json()``),
   ``world_size``, the number of data-parallel ranks the run had, and ``sharded``, whether the
   state was sharded over them (``strategy="fsdp"``): a replay runs that many ranks again, with
-  the same kind of strategy. Rank 0 alone writes the run directory (its losses, fingerprints
-  and checkpoints are rank 0's); every other rank *follows*: it runs the same code with the
-  writes left out, so it joins each collective rank 0 makes (a sharded state's fingerprint
-  gathers every shard; its start checkpoint is saved by every rank) and asks for the same
-  checkpoints;
+  the same kind of strategy; its ``threads`` (``torch.get_num_threads()``) is the count a
+  replay computes with (a CPU reduction's bits depend on it). Rank 0 alone writes the run
+  directory (its losses, fingerprints and checkpoints are rank 0's); every other rank
+  *follows*: it runs the same code with the writes left out, so it joins each collective
+  rank 0 makes (a sharded state's fingerprint gathers every shard; its start checkpoint is
+  saved by every rank) and asks for the same checkpoints;
 * ``task.pkl``, ``model.pkl``, ``data.pkl``: the task's functions, the model's structure (its
   tensors as shapes only) and the training data source, pickled with cloudpickle so the run can be
   re-executed without its script. Loading them runs code, so replay asks for explicit trust;

@@ -83,8 +83,10 @@ class LoopConfig:
     default_root_dir: str = attrs.field(factory=os.getcwd)
 
     def to_json(self) -> dict[str, Any]:
-        """The flags as JSON values, with ``torch_version``: what checkpoints record as
-        ``extra.config`` and a run directory as ``config.json``. ``max_time`` is in seconds.
+        """The flags as JSON values, with ``torch_version`` and ``threads`` (this thread's
+        ``torch.get_num_threads()``: a CPU reduction sums per-thread parts, so its bits depend
+        on it): what checkpoints record as ``extra.config`` and a run directory as
+        ``config.json``. ``max_time`` is in seconds.
 
         Example:
             >>> from engine.driver.resolve import resolve
@@ -105,4 +107,5 @@ class LoopConfig:
                 value = list(value)
             out[field.name] = value
         out["torch_version"] = torch.__version__
+        out["threads"] = torch.get_num_threads()
         return out

@@ -29,10 +29,13 @@ _REPLAYED_FLAGS = (
 )
 
 
-def _load_run(root: Path, data: Any) -> tuple[Any, bytes, Any, dict[str, Any], tuple[str, ...]]:
+def _load_run(
+    root: Path, data: Any
+) -> tuple[Any, bytes, Any, dict[str, Any], tuple[str, ...], int | None]:
     """Unpickle the task and the data (runs code: trusted runs only) and read the model's
-    pickled structure; read the flags that decide what a step computes. Last, the calls that
-    made the data again (``data.pkl``'s references, :mod:`engine.checkpoint._data`)."""
+    pickled structure; read the flags that decide what a step computes. Then the calls that
+    made the data again (``data.pkl``'s references, :mod:`engine.checkpoint._data`) and the
+    run's thread count (:func:`_threads`)."""
     for name in (TASK, MODEL):
         if not (root / name).is_file():
             raise ReplayError(
@@ -65,7 +68,19 @@ def _load_run(root: Path, data: Any) -> tuple[Any, bytes, Any, dict[str, Any], t
         if config_path.is_file()
         else {}
     )
-    return task, model, data, _flags(config), rebuilt
+    return task, model, data, _flags(config), rebuilt, _threads(config)
+
+
+def _threads(config: dict[str, Any]) -> int | None:
+    """The run's ``torch.get_num_threads()`` (``config.json``'s ``threads``; ``None`` for a run
+    journaled before it was recorded): a CPU matrix product splits its sums by thread, so the
+    replay computes with the run's count to compute the run's bits."""
+    threads = config.get("threads")
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ReplayError(f"config.json: threads={threads!r} is not a thread count (an int >= 1)")
+    return threads
 
 
 def _privacy(ckpt: Any) -> Any:

@@ -4,12 +4,16 @@ data-parallel run (:func:`_launch_ranks`, :func:`_replay_rank`)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from engine.checkpoint._pickling import load_skeleton
 from engine.replaying._checker import _Checker, _RankZeroChecker
@@ -79,7 +83,7 @@ def replay(
     if not trust_code:
         raise _untrusted(root)
     given = data
-    task, model, data, flags, rebuilt = _load_run(root, data)
+    task, model, data, flags, rebuilt, threads = _load_run(root, data)
     world = flags["devices"] if flags.get("strategy") in ("ddp", "fsdp") else 1
     if world > 1 and detect_anomaly:
         raise ReplayError(
@@ -111,9 +115,17 @@ def replay(
         checker.blocks, run_to = _recorded_blocks(journal, start_line, to_step, flags)
         template = load_skeleton(model, task.tx)
         try:
-            outcome = _run_checked(
-                task, template, data, ckpt, flags, [checker, transitions], run_to, detect_anomaly
-            )
+            with _thread_count(threads):
+                outcome = _run_checked(
+                    task,
+                    template,
+                    data,
+                    ckpt,
+                    flags,
+                    [checker, transitions],
+                    run_to,
+                    detect_anomaly,
+                )
         except _WrongStart as e:
             _pass_over(passed, ckpt, journal, start_line, str(e))
             continue
@@ -173,7 +185,7 @@ def _replay_rank(
     root = Path(root_dir)
     journal = _Lines(root)
     start_line = journal.lines[start_index]
-    task, model, data, flags, _ = _load_run(root, data)
+    task, model, data, flags, _, threads = _load_run(root, data)
     transitions = _Transitions(root, journal, start_line)
     kept = [x for x in journal.lines if id(x) not in transitions.deferred]
     rank = int(os.environ.get("RANK", "0"))
@@ -186,7 +198,10 @@ def _replay_rank(
     template = load_skeleton(model, task.tx)
     listeners = [checker, transitions]
     try:
-        outcome = _run_checked(task, template, data, Path(ckpt), flags, listeners, run_to, False)
+        with _thread_count(threads):
+            outcome = _run_checked(
+                task, template, data, Path(ckpt), flags, listeners, run_to, False
+            )
     except _WrongStart as e:
         return {"wrong_start": str(e)}
     if rank:
@@ -199,6 +214,21 @@ def _replay_rank(
         "losses": dict(checker.losses),
         **outcome,
     }
+
+
+@contextlib.contextmanager
+def _thread_count(threads: int | None) -> Iterator[None]:
+    """This thread computes with ``threads`` threads (ATen's count is per calling thread), its
+    own count back after; ``None`` (a run that did not record it) keeps the count as it is."""
+    kept = torch.get_num_threads()
+    if threads is None or threads == kept:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(kept)
 
 
 def _recorded_blocks(
