@@ -95,7 +95,7 @@ class _Compiled:
             if wrapper:
                 # the wrapper (glue: buffer handling, library calls) built at -O1, its kernels
                 # at -O3 in a file of their own: a cold 8-step block compiles in 23-25 s
-                # against 30-32 s with both in one -O3 file, and runs as fast
+                # against 30-32 s with both in one -O3 file, and runs within 1-3%
                 tuned["cpp_wrapper_build_separate"] = True
             # F.linear's addmm as mm plus an add Inductor fuses (see _unfuse_bias), unless the
             # user set a post-grad pass of their own (read with a default: a config that
