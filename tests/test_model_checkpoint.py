@@ -20,21 +20,12 @@ import _procs
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from _trainer_kit import _linear
 
 import engine as eg
 from engine import checkpoint, optim
 
 N_BATCHES = 4  # training batches per epoch: epoch e ends at global step 4 * (e + 1)
-
-
-def _linear() -> nn.Linear:
-    model = nn.Linear(3, 1)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        model.weight.copy_(torch.randn(1, 3, generator=g))
-        model.bias.copy_(torch.randn(1, generator=g))
-    return model
 
 
 def _batches(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
