@@ -1,2 +1,0 @@
-import torch, sys
-sys.path.insert(0, "tests")
