@@ -51,7 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -276,6 +276,27 @@ def _size(n: int) -> str:
 # ------------------------------------------------------------------------------ the parent
 
 
+def exit_rank() -> NoReturn:
+    """End a rank process whose work is done (its figures written): run the exit functions,
+    destroy the process group, flush, and leave with status 0 without the interpreter's
+    finalization.
+
+    A gloo worker thread can still hold the last reference to a tensor of the final collective
+    after the main thread has returned from it. Dropped during finalization, that tensor's
+    Python object takes the GIL after Python has torn it down, and the process aborts
+    ("terminate called without an active exception", status -6; pytorch/pytorch#179291). It is
+    rare (one CI run in a few dozen), and it fails a run whose figures are complete.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()  # what a normal exit runs first (engine's DDP destroys its group)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -427,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.rank is not None:
         rank_main(args.rank, args.port, args.rounds, args.steps, args.reps, args.out)
-        return
+        exit_rank()
     rounds = args.rounds or (5 if args.quick else 15)
     results: dict[str, Any] = {
         "torch": torch.__version__,

@@ -287,8 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank_main:
+        from benchmarks.ddp import exit_rank
+
         rank_main(args.rank_main, args.warmup, args.steps, args.root, args.out)
-        return
+        exit_rank()
     if args.quick:
         results = run(rounds=1, warmup=5, steps=20, loaded=False)
     else:

@@ -74,7 +74,7 @@ from torch.utils import _pytree as pytree
 
 import engine as eg
 from benchmarks.checkpoint import _busy_s, flat, show
-from benchmarks.ddp import _children_cpu, _cpu_name, _free_port
+from benchmarks.ddp import _children_cpu, _cpu_name, _free_port, exit_rank
 from engine import optim, transforms
 from engine.parallel import DDP
 from engine.parallel.fsdp import FSDP
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.rank is not None:
         rank_main(args.rank, args.port, args.rounds, args.steps, args.quick, args.out)
-        return
+        exit_rank()
     rounds = args.rounds or (3 if args.quick else 11)
     results: dict[str, Any] = {
         "torch": torch.__version__,
