@@ -174,6 +174,18 @@ def test_a_post_grad_pass_of_the_users_own_is_kept():
     assert ran and all(ran)  # theirs ran, and saw the addmm ours would have rewritten
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_another_backend_gets_none_of_inductors_options(backend, caplog):
+    # engine's Inductor options (the C++ wrapper, the bias pass, STORE_EACH_STEP) go to Inductor
+    # alone: aot_eager warned that it ignored them, another backend could refuse them
+    tx = optim.sgd(0.1)
+    step = eg.train_step(_loss, tx, compile={"backend": backend}, steps_per_call=2)
+    with caplog.at_level("WARNING"):
+        state, metrics = step(eg.TrainState.create(_mlp(16), tx, seed=0), [_batch(32)] * 2)
+    assert metrics["loss"].shape == (2,)
+    assert not [r for r in caplog.records if "ignoring extra kwargs" in r.getMessage()]
+
+
 def _in_loops(cpp: str, token: str) -> list[str]:
     """The lines of Inductor's C++ source holding ``token`` inside a ``for`` loop's body."""
     found, depth, loops = [], 0, []

@@ -170,6 +170,49 @@ def test_compiled_block_is_one_graph_and_equals_single_compiled_steps():
     )
 
 
+@pytest.mark.parametrize(
+    "compile",
+    [True, {"options": {"size_asserts": False}}, {"mode": "default"}],
+    ids=["engine-options", "user-options", "user-mode"],
+)
+def test_a_compiled_block_computes_the_floats_of_single_compiled_steps(compile):
+    # a block and a single step store each step's values alike (STORE_EACH_STEP) with any
+    # Inductor options the user gives: a run whose blocks fall elsewhere (a resumed one)
+    # continues bitwise
+    batches = _batches(8)
+    ref, ref_metrics = _singles(batches, compile=compile)
+    tx = optim.adamw(1e-2)
+    step = eg.train_step(_ce, tx, compile=compile, steps_per_call=4)
+    state = eg.TrainState.create(_mlp(), tx, seed=3)
+    losses = []
+    for i in (0, 4):
+        state, m = step(state, batches[i : i + 4])
+        losses.append(m["loss"])
+    assert step._block is not None  # the calls ran as blocks
+    _assert_states_equal(state, ref)
+    assert torch.equal(torch.cat(losses), torch.stack([m["loss"] for m in ref_metrics]))
+
+
+def test_a_cpu_model_over_the_unroll_limit_runs_its_blocks_as_single_compiled_steps(monkeypatch):
+    # _mlp has 517 parameter elements: a limit under that makes it "large"
+    import engine.step._train as train
+
+    batches = _batches(8)
+    ref, ref_metrics = _singles(batches, compile=True)
+    tx = optim.adamw(1e-2)
+    for limit, unrolled in ((516, False), (517, True)):
+        monkeypatch.setattr(train, "UNROLL_LIMIT", limit)
+        step = eg.train_step(_ce, tx, compile=True, steps_per_call=4)
+        state = eg.TrainState.create(_mlp(), tx, seed=3)
+        losses = []
+        for i in (0, 4):
+            state, m = step(state, batches[i : i + 4])
+            losses.append(m["loss"])
+        assert (step._block is not None) is unrolled
+        _assert_states_equal(state, ref)
+        assert torch.equal(torch.cat(losses), torch.stack([m["loss"] for m in ref_metrics]))
+
+
 # ---------------------------------------------------------------- the Trainer's blocks
 
 

@@ -57,7 +57,7 @@ from engine.step._custom import CustomStep
 from engine.step._infer import EvalStep, PredictStep, eval_step, predict_step
 from engine.step._model_view import Bind as Bind
 from engine.step._model_view import ModelView
-from engine.step._train import TrainStep, train_step
+from engine.step._train import UNROLL_LIMIT, TrainStep, train_step
 
 __all__ = [
     "CustomStep",
@@ -67,6 +67,7 @@ __all__ = [
     "ModelView",
     "PredictStep",
     "TrainStep",
+    "UNROLL_LIMIT",
     "UpdateFn",
     "compile_core",
     "eval_step",

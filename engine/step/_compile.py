@@ -43,8 +43,13 @@ class _Compiled:
 
     def __init__(self, core: Callable, options: Mapping[str, Any]) -> None:
         self.core = core
-        self.options = {"fullgraph": True, **options}
-        self.tuned = "mode" not in options and "options" not in options
+        self.options = {"fullgraph": True, **_with_core_options(options, core)}
+        # engine's Inductor options, where the user chose neither Inductor's nor another backend
+        self.tuned = (
+            options.get("backend", "inductor") == "inductor"
+            and "mode" not in options
+            and "options" not in options
+        )
         self.by_module: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
         self.pure: Callable | None = None
         # the argument (after the module) that counts steps: traced as a symbolic int from the
@@ -91,7 +96,11 @@ class _Compiled:
             on_cpu = all(t.device.type == "cpu" for t in params.values())
             gathers = module in _GATHERING if module is not None else bool(_GATHERING_PURE)
             wrapper = on_cpu and not gathers
-            tuned: dict[str, Any] = {"size_asserts": False, "cpp_wrapper": wrapper}
+            tuned: dict[str, Any] = {
+                "size_asserts": False,
+                "cpp_wrapper": wrapper,
+                **getattr(core, "inductor_options", {}),
+            }
             if wrapper:
                 # the wrapper (glue: buffer handling, library calls) built at -O1, its kernels
                 # at -O3 in a file of their own: a cold 8-step block compiles in 23-25 s
@@ -128,6 +137,23 @@ class _Compiled:
             fn = self.by_module[module] = self._build(module, params)
         tensors = {**params, **buffers} if buffers else params
         return _binder(module).call(fn, tensors, (params, buffers, *args), kwargs)
+
+
+def _with_core_options(options: Mapping[str, Any], core: Callable) -> dict[str, Any]:
+    """``options`` with the Inductor options ``core`` asks for (its ``inductor_options``) under
+    the user's: merged into their ``options``, or a ``mode`` spelled as its options (torch
+    takes one of the two). Without a mode or options the tuned ones carry them (``_build``)."""
+    asked: Mapping[str, Any] = getattr(core, "inductor_options", {})
+    inductor = options.get("backend", "inductor") == "inductor"
+    if not asked or not inductor or ("mode" not in options and "options" not in options):
+        return dict(options)
+    out = dict(options)
+    mode = out.pop("mode", None)
+    theirs = dict(out.get("options") or {})
+    if mode is not None:
+        theirs = {**torch._inductor.list_mode_options(mode), **theirs}
+    out["options"] = {**asked, **theirs}
+    return out
 
 
 _STEP_SOURCE = r"L\['engine_step_counter'\]$"  # a regex: Dynamo matches sources with re.match

@@ -15,7 +15,7 @@ from engine import rng
 from engine.optim.base import GradientTransformation
 from engine.optim.freezing import frozen_reader
 from engine.state import TrainState
-from engine.step._blocks import block_core, micro_batches, pick, stack_metrics
+from engine.step._blocks import STORE_EACH_STEP, block_core, micro_batches, pick, stack_metrics
 from engine.step._common import (
     Batch,
     LossFn,
@@ -37,6 +37,15 @@ from engine.step._cores import (
 )
 from engine.step._model_view import Bind, _view
 
+UNROLL_LIMIT = 2**18
+"""The most parameter elements a compiled block unrolls into one graph on the CPU; a larger
+model's block runs as single compiled steps, one call each. What a block saves is the call's
+overhead, about 100 us a step; what it costs on the CPU grows with the state: each of its steps
+writes the parameters and optimizer state into new buffers (only the last into the state
+itself), which malloc returns to the system at the end of the call and page-faults back in on
+the next. Measured on 2 cores, one process, interleaved (K=8 against K=1 compiled): 110k
+parameters 0.62, 400k 1.02, 1.9M 1.11 (about 1,500 page faults a step)."""
+
 
 class TrainStep:
     """``(state, batch) -> (state, metrics)``: one micro-batch of training (with
@@ -48,9 +57,10 @@ class TrainStep:
     applies them, and ``wrap_core`` wraps each of the two pure cores below (compilation).
     ``extra_keys`` names the ``TrainState.extra`` entries the gradient computation reads: each
     step passes them to it as :attr:`Forward.extra` (a transform's numbers kept as state, such
-    as DP-SGD's noise multiplier). ``fuse``: a call of ``steps_per_call`` whole windows runs as
-    one block core, wrapped as the two others (one graph when compiled); otherwise as single
-    steps (default: when ``compile`` is set).
+    as DP-SGD's noise multiplier). ``fuse``: a call of ``steps_per_call`` whole windows may run
+    as one block core, wrapped as the two others (one graph when compiled), which it does unless
+    the parameters are on the CPU and hold more than :data:`UNROLL_LIMIT` elements; otherwise
+    as single steps (default: when ``compile`` is set).
     """
 
     def __init__(
@@ -92,7 +102,9 @@ class TrainStep:
         wrap = wrap_core or (lambda core: _maybe_compile(core, compile))
         self._update = wrap(self._update_core)
         self._accumulate = wrap(self._accumulate_core) if accumulate > 1 else self._accumulate_core
-        self._fuse = compile is not False if fuse is None else fuse
+        if fuse is None:
+            fuse = compile is not False  # eager, a block is its single steps
+        self._fuse: bool | None = None if fuse else False  # None: decided at the first block
         self._wrap = wrap
         self._block: Callable | None = None  # the block core, wrapped at the first block
         # CUDA graphs (compile mode "reduce-overhead") replay a graph whose inputs keep their
@@ -153,6 +165,7 @@ class TrainStep:
         return opt_state, precision, metrics
 
     _update_core.step_arg = 5  # type: ignore[attr-defined]  # step (after the module)
+    _update_core.inductor_options = STORE_EACH_STEP  # type: ignore[attr-defined]  # as a block's
 
     def _accumulate_core(
         self, module, params, buffers, precision, grad_accum, batch, frozen, extra
@@ -166,6 +179,8 @@ class TrainStep:
         with torch.no_grad():
             torch._foreach_add_(list(grad_accum.values()), grads)
         return grad_accum, metrics
+
+    _accumulate_core.inductor_options = STORE_EACH_STEP  # type: ignore[attr-defined]
 
     def __call__(
         self, state: TrainState, batch: Batch, *, flush: bool = False, stacked: bool = False
@@ -223,7 +238,7 @@ class TrainStep:
         state = self._own(state)
         windows, partial = divmod(n, self.accumulate)
         if (
-            self._fuse
+            self._fuses(state)
             and not partial
             and windows == self.steps_per_call
             and state.micro_step == 0
@@ -237,6 +252,15 @@ class TrainStep:
             )
             records.append(metrics)
         return state, stack_metrics(records)
+
+    def _fuses(self, state: TrainState) -> bool:
+        """Whether a call of whole windows runs as one block (decided at the first, from
+        ``fuse`` or from the parameters, see :data:`UNROLL_LIMIT`)."""
+        if self._fuse is None:
+            params = list(state.params.values())
+            on_cpu = all(p.device.type == "cpu" for p in params)
+            self._fuse = not (on_cpu and sum(p.numel() for p in params) > UNROLL_LIMIT)
+        return self._fuse
 
     def _frozen_and_extra(self, state: TrainState) -> tuple[Any, Any]:
         frozen = self._frozen(state.opt_state)
@@ -370,8 +394,10 @@ def train_step(
             step takes a list of K * ``accumulate`` batches (or one stacked batch with
             ``stacked=True``) and returns each metric stacked per micro-batch. With ``compile``
             the K steps are one graph: one Python call and one set of guards for K steps,
-            which is what a small model's compiled step spends most of its time on. Eager, it
-            is bitwise K single steps.
+            which is what a small model's compiled step spends most of its time on. On the
+            CPU a model of more than :data:`UNROLL_LIMIT` parameter elements runs them as K
+            single compiled steps instead (there an unrolled graph costs more than the calls
+            it saves). Eager, it is bitwise K single steps.
 
     Example:
         >>> import torch, torch.nn.functional as F
