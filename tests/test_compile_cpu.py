@@ -181,7 +181,7 @@ def test_another_backend_gets_none_of_inductors_options(backend, caplog):
     tx = optim.sgd(0.1)
     step = eg.train_step(_loss, tx, compile={"backend": backend}, steps_per_call=2)
     with caplog.at_level("WARNING"):
-        state, metrics = step(eg.TrainState.create(_mlp(16), tx, seed=0), [_batch(32)] * 2)
+        _, metrics = step(eg.TrainState.create(_mlp(16), tx, seed=0), [_batch(32)] * 2)
     assert metrics["loss"].shape == (2,)
     assert not [r for r in caplog.records if "ignoring extra kwargs" in r.getMessage()]
 
