@@ -181,16 +181,23 @@ def test_a_compiled_block_computes_the_floats_of_single_compiled_steps(compile):
     # continues bitwise
     batches = _batches(8)
     ref, ref_metrics = _singles(batches, compile=compile)
-    tx = optim.adamw(1e-2)
-    step = eg.train_step(_ce, tx, compile=compile, steps_per_call=4)
-    state = eg.TrainState.create(_mlp(), tx, seed=3)
-    losses = []
-    for i in (0, 4):
-        state, m = step(state, batches[i : i + 4])
-        losses.append(m["loss"])
+    step, state, losses = _in_blocks(batches, 4, compile=compile)
     assert step._block is not None  # the calls ran as blocks
     _assert_states_equal(state, ref)
-    assert torch.equal(torch.cat(losses), torch.stack([m["loss"] for m in ref_metrics]))
+    assert torch.equal(losses, torch.stack([m["loss"] for m in ref_metrics]))
+
+
+def _in_blocks(batches, k, **kw):
+    """``(step, state, losses)`` of a ``steps_per_call=k`` step called on ``batches``, k at a
+    time, from the state :func:`_singles` starts from."""
+    tx = optim.adamw(1e-2)
+    step = eg.train_step(_ce, tx, steps_per_call=k, **kw)
+    state = eg.TrainState.create(_mlp(), tx, seed=3)
+    losses = []
+    for i in range(0, len(batches), k):
+        state, m = step(state, batches[i : i + k])
+        losses.append(m["loss"])
+    return step, state, torch.cat(losses)
 
 
 def test_a_cpu_model_over_the_unroll_limit_runs_its_blocks_as_single_compiled_steps(monkeypatch):
@@ -199,18 +206,12 @@ def test_a_cpu_model_over_the_unroll_limit_runs_its_blocks_as_single_compiled_st
 
     batches = _batches(8)
     ref, ref_metrics = _singles(batches, compile=True)
-    tx = optim.adamw(1e-2)
     for limit, unrolled in ((516, False), (517, True)):
         monkeypatch.setattr(train, "UNROLL_LIMIT", limit)
-        step = eg.train_step(_ce, tx, compile=True, steps_per_call=4)
-        state = eg.TrainState.create(_mlp(), tx, seed=3)
-        losses = []
-        for i in (0, 4):
-            state, m = step(state, batches[i : i + 4])
-            losses.append(m["loss"])
+        step, state, losses = _in_blocks(batches, 4, compile=True)
         assert (step._block is not None) is unrolled
         _assert_states_equal(state, ref)
-        assert torch.equal(torch.cat(losses), torch.stack([m["loss"] for m in ref_metrics]))
+        assert torch.equal(losses, torch.stack([m["loss"] for m in ref_metrics]))
 
 
 # ---------------------------------------------------------------- the Trainer's blocks
