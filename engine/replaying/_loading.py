@@ -73,8 +73,8 @@ def _load_run(
 
 def _threads(config: dict[str, Any]) -> int | None:
     """The run's ``torch.get_num_threads()`` (``config.json``'s ``threads``; ``None`` for a run
-    journaled before it was recorded): a CPU matrix product splits its sums by thread, so the
-    replay computes with the run's count to compute the run's bits."""
+    journaled before it was recorded): a CPU reduction sums per-thread parts, so the replay
+    computes with the run's count to compute the run's bits."""
     threads = config.get("threads")
     if threads is None:
         return None

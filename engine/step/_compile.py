@@ -43,13 +43,15 @@ class _Compiled:
 
     def __init__(self, core: Callable, options: Mapping[str, Any]) -> None:
         self.core = core
-        self.options = {"fullgraph": True, **_with_core_options(options, core)}
+        inductor = options.get("backend", "inductor") == "inductor"
         # engine's Inductor options, where the user chose neither Inductor's nor another backend
-        self.tuned = (
-            options.get("backend", "inductor") == "inductor"
-            and "mode" not in options
-            and "options" not in options
-        )
+        self.tuned = inductor and "mode" not in options and "options" not in options
+        # the core's own Inductor options: the tuned ones carry them (_build), else the user's
+        theirs = inductor and not self.tuned
+        self.options = {
+            "fullgraph": True,
+            **(_with_core_options(options, core) if theirs else options),
+        }
         self.by_module: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
         self.pure: Callable | None = None
         # the argument (after the module) that counts steps: traced as a symbolic int from the
@@ -140,12 +142,11 @@ class _Compiled:
 
 
 def _with_core_options(options: Mapping[str, Any], core: Callable) -> dict[str, Any]:
-    """``options`` with the Inductor options ``core`` asks for (its ``inductor_options``) under
-    the user's: merged into their ``options``, or a ``mode`` spelled as its options (torch
-    takes one of the two). Without a mode or options the tuned ones carry them (``_build``)."""
+    """The user's Inductor ``options`` (a ``mode`` or ``options``) with the ones ``core`` asks
+    for (its ``inductor_options``) under theirs: merged into their ``options``, or a ``mode``
+    spelled as its options (torch takes one of the two)."""
     asked: Mapping[str, Any] = getattr(core, "inductor_options", {})
-    inductor = options.get("backend", "inductor") == "inductor"
-    if not asked or not inductor or ("mode" not in options and "options" not in options):
+    if not asked:
         return dict(options)
     out = dict(options)
     mode = out.pop("mode", None)
