@@ -5,8 +5,11 @@ the eager step."""
 
 from __future__ import annotations
 
+import json
+import sys
 import threading
 
+import _procs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import engine as eg
 from engine import optim
+from engine.step._isa_probe import wants_probe
 from engine.step._threads import SMALL, _on_one_thread, is_small_cpu_graph
 from engine.step._unfuse_bias import unfuse_bias_pass
 
@@ -223,3 +227,90 @@ def test_compiled_adams_bias_corrections_run_once_a_step_not_in_every_elements_l
     expected, _ = eager(eg.TrainState.create(_mlp(64), tx, seed=0), _batch(32))
     for name, p in expected.params.items():
         torch.testing.assert_close(state.params[name], p, rtol=1e-5, atol=1e-6)
+
+
+_PROBE_ORDER = """
+import json, sys, threading, time
+import torch
+from torch import nn
+from torch._inductor import cpu_vec_isa
+import engine as eg
+from engine import optim
+
+asked = []  # (thread, start, end, answer) of each call of Inductor's cached CPU probe
+cached = cpu_vec_isa.valid_vec_isa_list
+
+def recording():
+    start = time.perf_counter()
+    answer = cached()
+    asked.append((threading.current_thread().name, start, time.perf_counter(), answer))
+    return answer
+
+cpu_vec_isa.valid_vec_isa_list = recording
+compile = json.loads(sys.argv[1])
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+tx = optim.adamw(1e-3)
+state = eg.TrainState.create(nn.Linear(4, 2), tx, seed=0)
+step = eg.train_step(loss, tx, compile=compile)
+state, _ = step(state, (torch.ones(8, 4), torch.zeros(8, 2)))
+for t in threading.enumerate():
+    if t.name == "engine-inductor-cpu-probe":
+        t.join()
+print(json.dumps({
+    "threads": [a[0] for a in asked],
+    "answers": [[str(isa) for isa in a[3]] for a in asked],
+    "misses": cached.cache_info().misses,
+}))
+"""
+
+
+def _probe_calls(compile) -> dict:
+    done = _procs.run(
+        [sys.executable, "-c", _PROBE_ORDER, json.dumps(compile)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_inductors_cpu_probe_runs_in_a_thread_of_its_own_before_inductor_asks():
+    # Inductor asks which vector instruction sets the CPU runs only after the trace; engine
+    # starts the answer (~1.3 s of child processes) in a thread before it: the first call of
+    # Inductor's probe is that thread's. Where the trace is short, Inductor asks while the
+    # thread still probes and finds the sets probed so far cached (each set's answer is): the
+    # same answer either way.
+    calls = _probe_calls(True)
+    assert calls["threads"][0] == "engine-inductor-cpu-probe", calls
+    assert "MainThread" in calls["threads"], calls  # Inductor did ask
+    first, *others = calls["answers"]
+    assert all(answer == first for answer in others), calls
+
+
+def test_a_users_own_vec_isa_ok_leaves_inductors_probe_to_inductor():
+    # the option holds only while Inductor compiles: a probe run before it would cache the
+    # global setting's answer for the process, and the user's option would go unread
+    calls = _probe_calls({"options": {"cpp.vec_isa_ok": False}})
+    assert set(calls["threads"]) == {"MainThread"}, calls
+    assert calls["misses"] == 1, calls
+
+
+@pytest.mark.parametrize(
+    ("options", "wanted"),
+    [
+        ({}, True),
+        ({"mode": "max-autotune-no-cudagraphs"}, True),
+        ({"options": {"cpp.simdlen": 256}}, True),
+        ({"options": {"cpp.vec_isa_ok": True}}, False),
+        ({"options": {"cpp": {"vec_isa_ok": False}}}, False),
+        ({"backend": "eager"}, False),
+        ({"backend": "aot_eager"}, False),
+    ],
+)
+def test_which_compiles_run_inductors_cpu_probe_ahead(options, wanted):
+    assert wants_probe(options) is wanted

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from engine.step._isa_probe import probe_cpu_in_background, wants_probe
 from engine.step._model_view import _binder, _Prebound
 from engine.step._threads import compile_small_on_one_thread
 from engine.step._unfuse_bias import unfuse_bias_pass
@@ -88,6 +89,9 @@ class _Compiled:
         code = bound.__code__.replace(co_name=f"compiled_step_{next(_COMPILED_IDS)}")
         bound = types.FunctionType(code, bound.__globals__, code.co_name, None, bound.__closure__)
         options = dict(self.options)
+        on_cpu = all(t.device.type == "cpu" for t in params.values())
+        if on_cpu and wants_probe(options):
+            probe_cpu_in_background()  # beside the trace, not after it (see _isa_probe)
         if self.tuned:
             # Per-call overhead dominates small steps. Inductor re-checks every input's size and
             # stride before each call, which Dynamo's guards already did (~30 us a step on the
@@ -95,7 +99,6 @@ class _Compiled:
             # slower than the Python one.
             # A sharded model's graph holds all-gathers, whose arguments the C++ wrapper does
             # not take (see gathers_in_graph).
-            on_cpu = all(t.device.type == "cpu" for t in params.values())
             gathers = module in _GATHERING if module is not None else bool(_GATHERING_PURE)
             wrapper = on_cpu and not gathers
             tuned: dict[str, Any] = {
