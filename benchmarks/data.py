@@ -19,8 +19,9 @@ ranks) with the plain one it stands for:
 * ``shard_w{0,2}``: rank 0 of 2: a plain loader over ``DistributedSampler(shuffle=True)``;
   engine's is the Trainer's data-parallel shard (Lightning's order) with the same seeding;
 * ``resumed_w{0,2}``: an epoch resumed at its middle: engine's skips the first half of rank 0's
-  batches without loading them (:func:`position_loader`); the plain one reads a sampler of the
-  remaining indices.
+  batches without loading them (:func:`position_loader`); the plain one reads a sampler that
+  draws the epoch's order from its seed and yields the rest of it (until 2026-12-07 a list of
+  the remaining indices made once, outside the timing: engine's pass drew its order in it).
 
 Every variant is built once, then all are run *interleaved*, round by round (the order of the
 cases rotated; within a case three passes of each loader, alternating, the fastest of each
@@ -71,17 +72,19 @@ class Augmented(Dataset):
         return self.x[i] + 0.1 * torch.randn(784), self.y[i]
 
 
-class Listed(Sampler[int]):
-    """A fixed list of indices (the plain loader's resumed epoch)."""
+class RestOfEpoch(Sampler[int]):
+    """The plain loader's resumed epoch: the epoch's order drawn again from its seed (a resume
+    has nothing else to go by), from index ``start`` on."""
 
-    def __init__(self, indices: list[int]) -> None:
-        self.indices = indices
+    def __init__(self, n: int, start: int) -> None:
+        self.n, self.start = n, start
 
     def __iter__(self):
-        return iter(self.indices)
+        g = torch.Generator().manual_seed(SEED)
+        return iter(torch.randperm(self.n, generator=g).tolist()[self.start :])
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return self.n - self.start
 
 
 def _loader(ds: Dataset, workers: int, **kwargs: Any) -> DataLoader:
@@ -122,8 +125,7 @@ def cases(n: int) -> dict[str, tuple[Callable[[], Iterable], Callable[[], Iterab
     for w in (0, 2):
         ours = _loader(ds, w, shuffle=True)
         half = n // BATCH // 2
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(SEED)).tolist()
-        plain = _loader(ds, w, sampler=Listed(order[half * BATCH :]))
+        plain = _loader(ds, w, sampler=RestOfEpoch(n, half * BATCH))
         out[f"resumed_w{w}"] = (
             _repeat(lambda o=ours, h=half: _engine(o, skip=h)),
             _repeat(lambda p=plain: p),
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="fewer rounds and samples")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    out = measure(n=4096 if args.quick else 16384, rounds=5 if args.quick else 11)
+    out = measure(n=4096 if args.quick else 16384, rounds=5 if args.quick else 21)
     json.dump(out, sys.stdout, indent=2)
     print()
     return out

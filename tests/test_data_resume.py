@@ -375,3 +375,27 @@ def test_seeded_batches_leave_the_callers_python_and_numpy_streams_alone():
     assert (*first, random.random(), np.random.rand()) == expected
     assert all(torch.equal(a, b) for a, b in zip(batches, [x for x, _ in dl], strict=True))
     eg.data.restore_loader(dl)
+
+
+def _mixing_collate(samples):
+    """A collate_fn that draws (MixUp's weight, from all three generators)."""
+    x = torch.stack([s[0] for s in samples])
+    w = float(torch.rand(())) + random.random() + float(np.random.rand())
+    return x * w
+
+
+def test_a_random_collate_in_workers_draws_the_same_whichever_worker_loads_the_batch():
+    # a worker's generators are left seeded after a keyed load, so its collate_fn draws on
+    # from the batch's own stream: the same with one worker or two, pass after pass (before,
+    # it drew from each worker's own stream: two workers split the batches otherwise)
+    def batches(workers: int) -> list[torch.Tensor]:
+        dl = plain_loader(workers, collate_fn=_mixing_collate)
+        assert eg.data.seed_batches(dl, seed=0, epoch=0)
+        try:
+            return [b for b in dl]
+        finally:
+            eg.data.restore_loader(dl)
+
+    one, two = batches(1), batches(2)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(one, batches(1), strict=True))

@@ -55,10 +55,16 @@ class _BatchKeys(_Wrapper):
         elif isinstance(s, ShuffleSampler):
             position = s.start
         it = iter(s)
-        for first in it:  # the BatchSampler cuts consecutive runs of `size`
-            yield _BatchKey(first, seed, epoch, position)
-            yield from itertools.islice(it, size - 1)
-            position += stride
+        rest = size - 1
+
+        def runs() -> Iterator[list[Any]]:  # the BatchSampler cuts consecutive runs of `size`
+            nonlocal position
+            for first in it:
+                yield [_BatchKey(first, seed, epoch, position), *itertools.islice(it, rest)]
+                position += stride
+
+        # one Python resumption a batch, not one an index (~5 us a batch of 128)
+        return itertools.chain.from_iterable(runs())
 
     def __len__(self) -> int:
         return len(self.sampler)
