@@ -141,6 +141,7 @@ def _spare_numpy(nprandom: Any) -> Any:
         _SPARE_NUMPY.append(nprandom.MT19937())
     return _SPARE_NUMPY[0]
 
+
 _worker_info = torch.utils.data.get_worker_info
 
 
