@@ -39,7 +39,8 @@ def wants_probe(options: Mapping[str, Any]) -> bool:
     if options.get("backend", "inductor") != "inductor":
         return False
     theirs = options.get("options") or {}
-    return "cpp.vec_isa_ok" not in theirs and "vec_isa_ok" not in (theirs.get("cpp") or {})
+    cpp = theirs.get("cpp")
+    return "cpp.vec_isa_ok" not in theirs and not (isinstance(cpp, Mapping) and "vec_isa_ok" in cpp)
 
 
 def probe_cpu_in_background() -> None:
