@@ -144,7 +144,7 @@ def _repeat(make: Callable[[], DataLoader]) -> Callable[[], Iterable]:
     return one_pass  # type: ignore[return-value]
 
 
-def measure(n: int, rounds: int) -> dict[str, Any]:
+def measure(n: int, rounds: int, passes: int = 3) -> dict[str, Any]:
     built = cases(n)
     for ours, plain in built.values():  # warm up: worker pools started, first pass paid
         ours(), plain()
@@ -159,7 +159,7 @@ def measure(n: int, rounds: int) -> dict[str, Any]:
                 ours, plain = built[name]
                 best = {ours: float("inf"), plain: float("inf")}
                 pair = (ours, plain) if r % 2 == 0 else (plain, ours)
-                for run in pair * 3:
+                for run in pair * passes:
                     t0 = time.perf_counter()
                     batches = run()
                     best[run] = min(best[run], (time.perf_counter() - t0) / len(batches))
@@ -178,6 +178,7 @@ def measure(n: int, rounds: int) -> dict[str, Any]:
     worst = max(figures, key=lambda k: figures[k]["engine_vs_plain"])
     return {
         "samples": n,
+        "passes": passes,
         "batch_size": BATCH,
         "cases": figures,
         "data_engine_vs_plain": figures[worst]["engine_vs_plain"],
@@ -189,9 +190,12 @@ def measure(n: int, rounds: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds and samples")
+    p.add_argument("--passes", type=int, default=3, help="passes of each loader a round")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    out = measure(n=4096 if args.quick else 16384, rounds=5 if args.quick else 21)
+    out = measure(
+        n=4096 if args.quick else 16384, rounds=5 if args.quick else 21, passes=args.passes
+    )
     json.dump(out, sys.stdout, indent=2)
     print()
     return out

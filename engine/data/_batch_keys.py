@@ -84,8 +84,9 @@ class _BatchFetch:
     torch's map-style fetcher calls ``dataset.__getitems__(indices)`` for each batch when the
     dataset has one, in the main process and in the workers (which get a copy of the dataset,
     its instance dict included). A batch that starts with a :class:`_BatchKey` is loaded with
-    the global generators seeded from ``(seed, epoch, position)`` and restored afterwards;
-    others (plain indices: the loader iterated outside a fit) are loaded as without the hook.
+    the global generators seeded from ``(seed, epoch, position)`` and restored afterwards (in
+    a worker, left seeded: see ``_seeded_call``); others (plain indices: the loader iterated
+    outside a fit) are loaded as without the hook.
     """
 
     def __init__(self, dataset: Any, previous: tuple[Any, ...]) -> None:
@@ -220,7 +221,9 @@ def seed_batches(loader: Any, seed: int, epoch: int) -> bool:
     as a key carrying the seed, the epoch and its position, and the dataset gets an instance
     attribute ``__getitems__`` that, for a batch so keyed, loads it (with the class's
     ``__getitems__``, else item by item) with torch's CPU generator, Python's ``random`` and
-    NumPy's global generator seeded once from those and puts them back afterwards. A dataset
+    NumPy's global generator seeded once from those; in the main process it puts them back
+    afterwards, in a worker it leaves them so (a ``collate_fn`` there draws on from the
+    batch's own stream, the same whichever worker loads it). A dataset
     that draws random numbers (random augmentation) then draws the same ones whichever process
     loads the batch, whatever ``num_workers`` is and in a resumed run. Batches without a key (the
     loader iterated outside the fit) load unseeded, as before.

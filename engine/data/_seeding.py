@@ -33,9 +33,10 @@ class SeededDataset(Dataset[Any]):
 
     Each ``dataset[index]`` runs with torch's CPU generator, Python's ``random`` and (when it is
     imported) NumPy's global generator seeded from ``(seed, epoch, index)``, and restores them
-    afterwards. Random augmentations therefore draw the same numbers for a sample whichever
-    worker loads it — the batches do not depend on ``num_workers`` — and a resumed run redraws
-    exactly what the uninterrupted one drew.
+    afterwards (in a ``DataLoader`` worker, whose generators nothing else reads between loads,
+    it leaves them seeded). Random augmentations therefore draw the same numbers for a sample
+    whichever worker loads it — the batches do not depend on ``num_workers`` — and a resumed
+    run redraws exactly what the uninterrupted one drew.
 
     Give it to a :class:`ShuffleSampler` (``ShuffleSampler(seeded_ds, seed=...)``), which then
     yields :class:`SampleKey` s carrying the epoch, so even persistent workers see the right
