@@ -104,12 +104,9 @@ def _seeded_call(seed: int, fn: Callable[..., _T], *args: Any, swap_numpy: bool 
         # first: putting them back (~30 of ~50 us a batch; Python's state is 625 ints each way)
         # buys nothing there. The draws are the main process's; what the worker runs after the
         # load (its collate_fn) draws on from them, so it too is a function of the batch.
-        torch.random.default_generator.manual_seed(seed)
-        random.seed(seed)
         if swap and nprandom.get_bit_generator() is not _spare_numpy(nprandom):
             nprandom.set_bit_generator(_spare_numpy(nprandom))
-        if nprandom is not None:
-            nprandom.seed(seed % 2**32)
+        _seed_globals(seed, nprandom)
         return fn(*args)
     py_state = random.getstate()
     gen = torch.random.default_generator
@@ -120,10 +117,7 @@ def _seeded_call(seed: int, fn: Callable[..., _T], *args: Any, swap_numpy: bool 
     elif nprandom is not None:
         np_state = nprandom.get_state()
     try:
-        gen.manual_seed(seed)
-        random.seed(seed)
-        if nprandom is not None:
-            nprandom.seed(seed % 2**32)  # legacy seeding, of the spare one when swapped
+        _seed_globals(seed, nprandom)
         return fn(*args)
     finally:
         gen.set_state(torch_state)
@@ -135,6 +129,15 @@ def _seeded_call(seed: int, fn: Callable[..., _T], *args: Any, swap_numpy: bool 
 
 
 _SPARE_NUMPY: list[Any] = []  # this process's spare bit generator for _seeded_call(swap_numpy)
+
+
+def _seed_globals(seed: int, nprandom: Any) -> None:
+    """Seed torch's CPU generator, Python's ``random`` and, if imported, NumPy's global one
+    (legacy seeding: of the spare bit generator when it is swapped in)."""
+    torch.random.default_generator.manual_seed(seed)
+    random.seed(seed)
+    if nprandom is not None:
+        nprandom.seed(seed % 2**32)
 
 
 def _spare_numpy(nprandom: Any) -> Any:

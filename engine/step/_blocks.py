@@ -25,6 +25,21 @@ __all__ = [
 ]
 
 
+# The Inductor options every training core compiles with (``inductor_options``, read by
+# ``_Compiled``). Unrolled, a step's new optimizer state is read twice (by that step's update and
+# by the next step's), and Inductor recomputes a value in each of its readers until it has more
+# than four (``realize_reads_threshold``): a later step's kernels then rebuilt the moments from
+# every gradient since the last stored version, and those gradients stayed alive (58 MB a K=8
+# call of the medium benchmark MLP). Stored wherever a value has a second reader, each step's
+# state is written once, where it is computed. That replaced a ``cat`` of the state into one
+# buffer between steps (a buffer Inductor computes its inputs straight into), which wrote 14 MB
+# more a step on that MLP: its K=8 block went from 1.09 to 1.01 of the compiled single step,
+# the tiny one from 0.51 to 0.50 (one process, interleaved). The single-step cores take the same
+# policy, so that a block computes the floats K single steps do, bit for bit: a run resumed
+# between blocks continues as the whole run did, whichever steps ran as blocks.
+STORE_EACH_STEP = {"realize_reads_threshold": 1}
+
+
 def micro_batches(batches: Any, *, stacked: bool) -> tuple[Any, int]:
     """``(batches, n)``: the block's micro-batches as given and how many there are.
 
@@ -149,18 +164,3 @@ def block_core(step: Any) -> Any:
     core.step_arg = 4  # type: ignore[attr-defined]  # first (after the module): see _Compiled
     core.inductor_options = STORE_EACH_STEP  # type: ignore[attr-defined]  # see _Compiled
     return core
-
-
-# The Inductor options every training core compiles with (``inductor_options``, read by
-# ``_Compiled``). Unrolled, a step's new optimizer state is read twice (by that step's update and
-# by the next step's), and Inductor recomputes a value in each of its readers until it has more
-# than four (``realize_reads_threshold``): a later step's kernels then rebuilt the moments from
-# every gradient since the last stored version, and those gradients stayed alive (58 MB a K=8
-# call of the medium benchmark MLP). Stored wherever a value has a second reader, each step's
-# state is written once, where it is computed. That replaced a ``cat`` of the state into one
-# buffer between steps (a buffer Inductor computes its inputs straight into), which wrote 14 MB
-# more a step on that MLP: its K=8 block went from 1.09 to 1.01 of the compiled single step,
-# the tiny one from 0.51 to 0.50 (one process, interleaved). The single-step cores take the same
-# policy, so that a block computes the floats K single steps do, bit for bit: a run resumed
-# between blocks continues as the whole run did, whichever steps ran as blocks.
-STORE_EACH_STEP = {"realize_reads_threshold": 1}

@@ -29,8 +29,8 @@ from typing import Any
 __all__ = ["probe_cpu_in_background", "wants_probe"]
 
 _NAME = "engine-inductor-cpu-probe"
-_started = threading.Lock()
-_thread: list[threading.Thread] = []
+_lock = threading.Lock()
+_started = False
 
 
 def wants_probe(options: Mapping[str, Any]) -> bool:
@@ -49,9 +49,11 @@ def probe_cpu_in_background() -> None:
     The modules it needs are imported here, in the caller's thread (the compile imports them
     anyway), so the thread imports nothing while Dynamo's tracing imports in this one.
     """
-    with _started:
-        if _thread:
+    global _started
+    with _lock:
+        if _started:
             return
+        _started = True
         try:
             import torch.utils.cpp_extension  # noqa: F401  (the probe's build options read it)
             from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
@@ -59,13 +61,10 @@ def probe_cpu_in_background() -> None:
 
             probe = cpu_vec_isa.valid_vec_isa_list
         except (ImportError, AttributeError):  # another torch: Inductor probes in its own time
-            _thread.append(threading.current_thread())
             return
         # not a daemon: the children it waits on end within seconds, and a daemon thread
         # still running at interpreter exit can crash the exit
-        thread = threading.Thread(target=_quietly, args=(probe,), name=_NAME)
-        _thread.append(thread)
-        thread.start()
+        threading.Thread(target=_quietly, args=(probe,), name=_NAME).start()
 
 
 def _quietly(probe: Any) -> None:
