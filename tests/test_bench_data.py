@@ -14,7 +14,7 @@ from benchmarks import data
 
 def test_every_case_reads_the_same_number_of_batches_as_its_plain_loader():
     for name, (ours, plain) in data.cases(512).items():
-        assert len(ours()) == len(plain()), name
+        assert ours() == plain() > 0, name
     out = data.measure(512, rounds=1)
     assert set(out["cases"]) == {
         "shuffle_w0",

@@ -362,19 +362,113 @@ def test_fit_warns_when_workers_draw_outside_the_state():
         _trainer(max_epochs=1).fit(task, task.init(_model()), plain_loader(2))  # seeded
 
 
-def test_seeded_batches_leave_the_callers_python_and_numpy_streams_alone():
+def _draws() -> tuple[float, float, float]:
+    """One number from each global generator: torch's CPU one, Python's, NumPy's."""
+    return float(torch.rand(())), random.random(), float(np.random.rand())
+
+
+def test_seeded_batches_hold_the_main_process_streams_until_restore_loader_gives_them_back():
     dl = plain_loader(0)
     assert eg.data.seed_batches(dl, seed=0, epoch=0)
-    random.seed(0)
-    np.random.seed(0)
-    expected = (random.random(), np.random.rand(), random.random(), np.random.rand())
-    random.seed(0)
-    np.random.seed(0)
-    first = (random.random(), np.random.rand())
-    batches = [x for x, _ in dl]  # each batch draws from both inside
-    assert (*first, random.random(), np.random.rand()) == expected
-    assert all(torch.equal(a, b) for a, b in zip(batches, [x for x, _ in dl], strict=True))
+
+    def one_pass(k: int) -> tuple[list[torch.Tensor], list[tuple[float, float, float]]]:
+        """The batches and what code draws between them, from global generators in state k."""
+        _perturb_global_rngs(k)
+        batches, between = [], []
+        for x, _ in dl:  # each batch draws from all three generators inside
+            batches.append(x)
+            between.append(_draws())
+        return batches, between
+
+    batches, between = one_pass(0)
+    again, between_again = one_pass(1)
+    # between two batches, code draws on from the last batch's stream: a function of the key
+    assert all(torch.equal(a, b) for a, b in zip(batches, again, strict=True))
+    assert between == between_again and len(set(between)) == len(between)
     eg.data.restore_loader(dl)
+    # restore_loader gives the caller's streams back as they were before the first batch
+    _perturb_global_rngs(2)
+    _draws()
+    assert eg.data.seed_batches(dl, seed=0, epoch=0)
+    it = iter(dl)  # (an iterator draws its workers' base seed from torch's generator)
+    before = _states()
+    _ = [b for b in it]
+    assert _states() != before
+    eg.data.restore_loader(dl)
+    assert _states() == before
+    draw = _draws()
+    eg.data.restore_loader(dl)  # twice: nothing more to give back
+    assert _states() != before and _draws() != draw
+
+
+def _states() -> tuple[bytes, object, str]:
+    """The three global generators' states, comparable with ``==``."""
+    return (torch.get_rng_state().numpy().tobytes(), random.getstate(), repr(np.random.get_state()))
+
+
+def test_seeded_batches_with_workers_leave_the_main_process_streams_alone():
+    dl = plain_loader(2)
+    assert eg.data.seed_batches(dl, seed=0, epoch=0)
+    _perturb_global_rngs(0)
+    it = iter(dl)
+    before = _states()
+    _ = [b for b in it]
+    assert _states() == before
+    eg.data.restore_loader(dl)
+    assert _states() == before
+
+
+def test_a_fit_over_a_loader_without_workers_gives_the_callers_streams_back_when_it_ends():
+    task = _task()
+
+    def caller_draws(seed: int, *listeners) -> list[tuple[float, float, float]]:
+        """What the caller draws before and after a fit (one that raises at step 3 too)."""
+        state, dl = task.init(_model(), seed=seed), plain_loader(0)
+        _perturb_global_rngs(4)
+        out = [_draws()]
+        try:
+            _trainer(max_epochs=2, callbacks=list(listeners)).fit(task, state, dl)
+        except RuntimeError as e:
+            assert str(e) == "boom"
+        return [*out, _draws()]
+
+    class Boom(eg.Listener):
+        def on_train_batch_end(self, rec):
+            if rec.run.global_step == 3:
+                raise RuntimeError("boom")
+
+    drawn = caller_draws(5)
+    # whatever the batches drew, and if the fit raised, the caller's streams come back as
+    # they were at the first batch: Python's and NumPy's as if no fit had run, torch's moved
+    # by the base seed the first iter(loader) draws
+    assert caller_draws(6) == caller_draws(5, Boom()) == drawn
+    _perturb_global_rngs(4)
+    assert [d[1:] for d in drawn] == [_draws()[1:], _draws()[1:]]
+
+
+def test_a_step_drawing_from_python_and_numpy_resumes_bitwise_without_workers(tmp_path):
+    # with num_workers=0 the step runs while the last batch's streams hold the generators, so
+    # what it draws from Python's random and NumPy (a MixUp weight) is a function of the run's
+    # seed, and a resumed run redraws it
+    import torch.nn.functional as F
+
+    def loss_fn(model, batch):
+        x, y = batch
+        w = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
+        return w * F.cross_entropy(model(x), y)
+
+    task = eg.Task(loss_fn, eg.optim.adamw(1e-2))
+    ckpt = tmp_path / "ckpt"
+    _perturb_global_rngs(0)
+    full = _trainer(max_epochs=2, callbacks=[_SaveAt(9, ckpt)]).fit(
+        task, task.init(_model(), seed=5), plain_loader(0, order="shuffle")
+    )
+    _perturb_global_rngs(1)
+    resumed = _trainer(max_epochs=2).fit(
+        task, task.init(_model()), plain_loader(0, order="shuffle"), ckpt_path=ckpt
+    )
+    assert resumed.step == full.step == 12
+    assert resumed.fingerprint() == full.fingerprint()
 
 
 def _mixing_collate(samples):
@@ -384,18 +478,20 @@ def _mixing_collate(samples):
     return x * w
 
 
-def test_a_random_collate_in_workers_draws_the_same_whichever_worker_loads_the_batch():
-    # a worker's generators are left seeded after a keyed load, so its collate_fn draws on
-    # from the batch's own stream: the same with one worker or two, pass after pass (before,
-    # it drew from each worker's own stream: two workers split the batches otherwise)
-    def batches(workers: int) -> list[torch.Tensor]:
+def test_a_random_collate_draws_the_same_whatever_num_workers():
+    # a keyed load leaves the generators seeded, in a worker and in the main process, so the
+    # loader's collate_fn draws on from the batch's own stream: the same with no worker, one
+    # or two, pass after pass (before, with none it drew from the caller's streams, and each
+    # worker from its own)
+    def batches(workers: int, k: int) -> list[torch.Tensor]:
         dl = plain_loader(workers, collate_fn=_mixing_collate)
         assert eg.data.seed_batches(dl, seed=0, epoch=0)
+        _perturb_global_rngs(k)
         try:
             return [b for b in dl]
         finally:
             eg.data.restore_loader(dl)
 
-    one, two = batches(1), batches(2)
-    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(one, batches(1), strict=True))
+    zero = batches(0, 0)
+    for workers, k in ((0, 1), (1, 2), (2, 3)):
+        assert all(torch.equal(a, b) for a, b in zip(zero, batches(workers, k), strict=True))

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.data._seeding import SeededDataset, ShuffleSampler, _seeded_call
+from engine.data._seeding import _CALLERS, SeededDataset, ShuffleSampler, _seeded_batch
 from engine.data._sharding import _Shard
 from engine.data._sources import stateful
 from engine.data._wrappers import _unskip, _Wrapper
@@ -84,9 +84,9 @@ class _BatchFetch:
     torch's map-style fetcher calls ``dataset.__getitems__(indices)`` for each batch when the
     dataset has one, in the main process and in the workers (which get a copy of the dataset,
     its instance dict included). A batch that starts with a :class:`_BatchKey` is loaded with
-    the global generators seeded from ``(seed, epoch, position)`` and restored afterwards (in
-    a worker, left seeded: see ``_seeded_call``); others (plain indices: the loader iterated
-    outside a fit) are loaded as without the hook.
+    the global generators seeded from ``(seed, epoch, position)`` and left so (see
+    ``_seeded_batch``); others (plain indices: the loader iterated outside a fit) are loaded
+    as without the hook.
     """
 
     def __init__(self, dataset: Any, previous: tuple[Any, ...]) -> None:
@@ -99,7 +99,7 @@ class _BatchFetch:
         if type(first) is not _BatchKey:
             return self.fetch(indices)
         seed = derive_seed(first.seed, first.epoch, first.position, stream=BATCH)
-        return _seeded_call(seed, self.fetch, [first.item, *indices[1:]], swap_numpy=True)
+        return _seeded_batch(seed, self.fetch, [first.item, *indices[1:]])
 
     def fetch(self, indices: Sequence[Any]) -> Any:
         """What torch's fetcher does without the hook."""
@@ -221,12 +221,18 @@ def seed_batches(loader: Any, seed: int, epoch: int) -> bool:
     as a key carrying the seed, the epoch and its position, and the dataset gets an instance
     attribute ``__getitems__`` that, for a batch so keyed, loads it (with the class's
     ``__getitems__``, else item by item) with torch's CPU generator, Python's ``random`` and
-    NumPy's global generator seeded once from those; in the main process it puts them back
-    afterwards, in a worker it leaves them so (a ``collate_fn`` there draws on from the
-    batch's own stream, the same whichever worker loads it). A dataset
-    that draws random numbers (random augmentation) then draws the same ones whichever process
-    loads the batch, whatever ``num_workers`` is and in a resumed run. Batches without a key (the
-    loader iterated outside the fit) load unseeded, as before.
+    NumPy's global generator seeded once from those, and leaves them so: the loader's
+    ``collate_fn`` draws on from the batch's own stream. A dataset (or a ``collate_fn``) that
+    draws random numbers (random augmentation, MixUp) then draws the same ones whichever
+    process loads the batch, whatever ``num_workers`` is and in a resumed run. Batches without
+    a key (the loader iterated outside the fit) load unseeded, as before.
+
+    With ``num_workers=0`` the batches load in this process, so from the first keyed batch
+    until :func:`restore_loader` the process's global generators are the batches': code that
+    runs between two batches draws on from the last one's stream (a function of the run's
+    seed, so a resumed run redraws it too), and :func:`restore_loader` (which a fit calls when
+    it ends) puts back the states they had before the first batch. With workers, this
+    process's generators are left alone.
 
     Left alone (returns ``False``): a :class:`SeededDataset` (it seeds each sample itself), a
     custom batch sampler, ``batch_size=None``, an iterable dataset, a loader with
@@ -278,6 +284,7 @@ def _unkey(loader: Any) -> None:
         return
     bs.sampler = keys.sampler  # type: ignore[union-attr]
     _unhook(loader.dataset)
+    _CALLERS.give_back()  # the main process's generators: the caller's again
     if isinstance(loader.worker_init_fn, _HookWorkers):
         loader.worker_init_fn = loader.worker_init_fn.init
     workers = getattr(loader, "_iterator", None)

@@ -109,9 +109,10 @@ def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:
 
 def restore_loader(loader: Any) -> None:
     """Undo what a fit did to ``loader``: :func:`seed_shuffle`'s generator (the sampler draws
-    from torch's global generator again), :func:`seed_batches`' keys and dataset hook,
-    :func:`position_loader`'s skipping and :func:`shard_loader`'s shard, whichever of them were
-    done and in whatever order."""
+    from torch's global generator again), :func:`seed_batches`' keys and dataset hook (and the
+    global generators its batches held in this process go back to the states they had before
+    the first), :func:`position_loader`'s skipping and :func:`shard_loader`'s shard, whichever
+    of them were done and in whatever order."""
     s = _random_sampler(loader)
     if s is not None and getattr(s, _SEEDED, False):
         s.generator = None

@@ -86,64 +86,84 @@ SAMPLE = 4  # derive_seed stream of per-sample randomness (engine.rng has 0-2; 3
 _T = TypeVar("_T")
 
 
-def _seeded_call(seed: int, fn: Callable[..., _T], *args: Any, swap_numpy: bool = False) -> _T:
+def _seeded_call(seed: int, fn: Callable[..., _T], *args: Any) -> _T:
     """``fn(*args)`` with torch's CPU generator, Python's ``random`` and (when it is imported)
     NumPy's global generator seeded from ``seed``; their states are put back afterwards.
 
-    In a ``DataLoader`` worker they are seeded and left so (see the body).
-
-    ``swap_numpy``: rather than save and restore the state of NumPy's global bit generator
-    (50 us, most of the cost), set it aside and seed a spare one in its place (2 us). Its state
-    is then untouched, but the legacy normal sampler's cache (one pending value of
-    ``np.random.randn`` after an odd count) is dropped.
+    In a ``DataLoader`` worker they are seeded and left so: a worker's generators serve its
+    loads alone, and each load seeds them first, so putting them back buys nothing there.
     """
     nprandom: Any = getattr(sys.modules.get("numpy"), "random", None)  # only if imported
-    swap = swap_numpy and hasattr(nprandom, "set_bit_generator")
     if _worker_info() is not None:
-        # A DataLoader worker's generators serve its loads alone, and each load seeds them
-        # first: putting them back (~30 of ~50 us a batch; Python's state is 625 ints each way)
-        # buys nothing there. The draws are the main process's; what the worker runs after the
-        # load (its collate_fn) draws on from them, so it too is a function of the batch.
-        if swap and nprandom.get_bit_generator() is not _spare_numpy(nprandom):
-            nprandom.set_bit_generator(_spare_numpy(nprandom))
         _seed_globals(seed, nprandom)
         return fn(*args)
     py_state = random.getstate()
     gen = torch.random.default_generator
     torch_state = gen.get_state()
-    if swap:
-        np_saved = nprandom.get_bit_generator()
-        nprandom.set_bit_generator(_spare_numpy(nprandom))
-    elif nprandom is not None:
-        np_state = nprandom.get_state()
+    np_state = None if nprandom is None else nprandom.get_state()
     try:
         _seed_globals(seed, nprandom)
         return fn(*args)
     finally:
         gen.set_state(torch_state)
         random.setstate(py_state)
-        if swap:
-            nprandom.set_bit_generator(np_saved)
-        elif nprandom is not None:
+        if np_state is not None:
             nprandom.set_state(np_state)
 
 
-_SPARE_NUMPY: list[Any] = []  # this process's spare bit generator for _seeded_call(swap_numpy)
-
-
 def _seed_globals(seed: int, nprandom: Any) -> None:
-    """Seed torch's CPU generator, Python's ``random`` and, if imported, NumPy's global one
-    (legacy seeding: of the spare bit generator when it is swapped in)."""
+    """Seed torch's CPU generator, Python's ``random`` and, if imported, NumPy's global one."""
     torch.random.default_generator.manual_seed(seed)
     random.seed(seed)
     if nprandom is not None:
         nprandom.seed(seed % 2**32)
 
 
-def _spare_numpy(nprandom: Any) -> Any:
-    if not _SPARE_NUMPY:
-        _SPARE_NUMPY.append(nprandom.MT19937())
-    return _SPARE_NUMPY[0]
+class _CallersStreams:
+    """The caller's states of this process's global generators while seeded batches hold them.
+
+    In the main process each keyed batch seeds torch's CPU generator, Python's ``random`` and
+    NumPy's global generator and leaves them so, as a worker does: its ``collate_fn`` and the
+    code that runs before the next batch draw on from the batch's stream. :meth:`take` sets the
+    caller's states aside at the first such batch (NumPy's when it is first seen imported);
+    :meth:`give_back` puts them back (:func:`engine.data.restore_loader`, which a fit calls
+    when it ends). Once a fit, not once a batch: Python's state alone is 625 ints each way.
+    """
+
+    def __init__(self) -> None:
+        self.torch: torch.Tensor | None = None
+        self.python: Any = None
+        self.numpy: Any = None
+
+    def take(self, nprandom: Any) -> None:
+        if self.torch is None:
+            self.torch = torch.random.default_generator.get_state()
+            self.python = random.getstate()
+        if self.numpy is None and nprandom is not None:
+            self.numpy = nprandom.get_state()
+
+    def give_back(self) -> None:
+        if self.torch is not None:
+            torch.random.default_generator.set_state(self.torch)
+            random.setstate(self.python)
+            self.torch = self.python = None
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
+            self.numpy = None
+
+
+_CALLERS = _CallersStreams()  # the main process's: generators are global to a process
+
+
+def _seeded_batch(seed: int, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` with torch's CPU generator, Python's ``random`` and (when it is imported)
+    NumPy's global generator seeded from ``seed``, and left so: in the main process the
+    caller's states wait in :data:`_CALLERS` until :meth:`_CallersStreams.give_back`."""
+    nprandom: Any = getattr(sys.modules.get("numpy"), "random", None)  # only if imported
+    if _worker_info() is None:
+        _CALLERS.take(nprandom)
+    _seed_globals(seed, nprandom)
+    return fn(*args)
 
 
 _worker_info = torch.utils.data.get_worker_info
