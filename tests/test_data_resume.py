@@ -471,6 +471,26 @@ def test_a_step_drawing_from_python_and_numpy_resumes_bitwise_without_workers(tm
     assert resumed.fingerprint() == full.fingerprint()
 
 
+@pytest.mark.parametrize("order", ["sequential", "shuffle"])
+def test_a_resumed_epoch_keys_the_rest_as_the_whole_epoch_did(order):
+    def epoch(skip: int) -> list[torch.Tensor]:
+        dl = plain_loader(0, order=order)
+        eg.data.seed_shuffle(dl, seed=3, epoch=1)
+        assert eg.data.seed_batches(dl, seed=3, epoch=1)
+        assert eg.data.position_loader(dl, 1, skip)
+        try:
+            return [x for x, _ in dl]
+        finally:
+            eg.data.restore_loader(dl)
+
+    whole = epoch(0)
+    assert len(whole) == 6
+    for skip in (1, 4, 6):
+        rest = epoch(skip)
+        assert len(rest) == 6 - skip
+        assert all(torch.equal(a, b) for a, b in zip(rest, whole[skip:], strict=True))
+
+
 def _mixing_collate(samples):
     """A collate_fn that draws (MixUp's weight, from all three generators)."""
     x = torch.stack([s[0] for s in samples])

@@ -37,9 +37,9 @@ class _BatchKeys(_Wrapper):
     """Wraps the sampler of a ``BatchSampler``: the first index of each batch comes as a
     :class:`_BatchKey`, the others unchanged.
 
-    Positions count from the start of the epoch: a :class:`_SkipFirst` above this one drops the
-    keyed items of the skipped batches, and a :class:`ShuffleSampler` that starts later starts
-    the count there too. Under a :class:`_Shard` they are global positions: the rank's batch
+    Positions count from the start of the epoch: a ``_SkipFirst`` above this one starts it at
+    its first kept batch (:meth:`iter_from`), and a :class:`ShuffleSampler` that starts later
+    starts the count there too. Under a :class:`_Shard` they are global positions: the rank's batch
     ``j`` starts at ``start + rank + j * size * world``, so no two ranks key a batch alike.
     """
 
@@ -48,6 +48,13 @@ class _BatchKeys(_Wrapper):
         self.seed, self.epoch = seed, epoch
 
     def __iter__(self) -> Iterator[Any]:
+        return self.iter_from(0)
+
+    def iter_from(self, batches: int) -> Iterator[Any]:
+        """``islice(iter(self), batches * batch_size, None)`` without keying the skipped
+        batches: their indices are drawn from the sampler (whatever generator it draws from
+        moves on as in a whole pass) and dropped (the skip of a resumed epoch's first
+        batches, ``_position._SkipFirst``)."""
         seed, epoch, size = self.seed, self.epoch, self.batch_sampler.batch_size
         s, position, stride = self.sampler, 0, size
         if isinstance(s, _Shard):
@@ -55,6 +62,9 @@ class _BatchKeys(_Wrapper):
         elif isinstance(s, ShuffleSampler):
             position = s.start
         it = iter(s)
+        if batches:
+            next(itertools.islice(it, batches * size, batches * size), None)
+            position += batches * stride
         rest = size - 1
 
         def runs() -> Iterator[list[Any]]:  # the BatchSampler cuts consecutive runs of `size`
