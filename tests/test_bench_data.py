@@ -24,5 +24,7 @@ def test_every_case_reads_the_same_number_of_batches_as_its_plain_loader():
         "shard_w2",
         "resumed_w0",
         "resumed_w2",
+        "control_w2",
     }
     assert out["worst_case"] in out["cases"] and out["data_engine_vs_plain"] > 0
+    assert out["worst_case"] != "control_w2"  # the control is not engine's
