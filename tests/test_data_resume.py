@@ -515,3 +515,44 @@ def test_a_random_collate_draws_the_same_whatever_num_workers():
     zero = batches(0, 0)
     for workers, k in ((0, 1), (1, 2), (2, 3)):
         assert all(torch.equal(a, b) for a, b in zip(zero, batches(workers, k), strict=True))
+
+
+def _mixing_pairs(samples):
+    """A (x, y) collate that scales the inputs by a MixUp-like weight from all three
+    generators."""
+    x, y = torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+    return x * (float(torch.rand(())) + random.random() + float(np.random.rand())), y
+
+
+def test_a_seeded_datasets_random_collate_in_a_fit_does_not_depend_on_num_workers():
+    # during a fit a SeededDataset's samples leave the generators seeded in the training
+    # process too, so the collate draws on from the last sample's stream, as in a worker;
+    # the fit's end gives the caller's streams back
+    def fit(workers: int, k: int):
+        task, seen = _task(), _Batches()
+        ds = SeededDataset(Augmented(), seed=11)
+        dl = DataLoader(
+            ds,
+            batch_size=4,
+            sampler=ShuffleSampler(ds, seed=7),
+            num_workers=workers,
+            collate_fn=_mixing_pairs,
+        )
+        state = task.init(_model(), seed=5)
+        _perturb_global_rngs(k)
+        state = _trainer(max_epochs=2, callbacks=[seen]).fit(task, state, dl)
+        return state, torch.stack(seen.seen), _draws()[1:]
+
+    state, batches, after = fit(0, 0)
+    for workers, k in ((0, 1), (2, 2)):
+        other, other_batches, _ = fit(workers, k)
+        assert torch.equal(other_batches, batches)
+        assert other.fingerprint() == state.fingerprint()
+    _perturb_global_rngs(0)
+    assert after == _draws()[1:]  # Python's and NumPy's: as if no fit had run
+    # outside a fit, each sample puts the caller's streams back, as before
+    ds = SeededDataset(Augmented(), seed=11)
+    _perturb_global_rngs(3)
+    before = _states()
+    _ = [ds[i] for i in range(4)]
+    assert _states() == before

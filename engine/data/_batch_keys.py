@@ -244,9 +244,11 @@ def seed_batches(loader: Any, seed: int, epoch: int) -> bool:
     it ends) puts back the states they had before the first batch. With workers, this
     process's generators are left alone.
 
-    Left alone (returns ``False``): a :class:`SeededDataset` (it seeds each sample itself), a
-    custom batch sampler, ``batch_size=None``, an iterable dataset, a loader with
-    ``state_dict()``, a dataset without an instance dict, anything but a ``DataLoader``.
+    Left alone (returns ``False``): a :class:`SeededDataset` (it seeds each sample itself; as
+    keyed batches do, its samples leave this process's generators seeded until
+    :func:`restore_loader`), a custom batch sampler, ``batch_size=None``, an iterable
+    dataset, a loader with ``state_dict()``, a dataset without an instance dict, anything but
+    a ``DataLoader``.
 
     Example:
         >>> from torch.utils.data import DataLoader, Dataset
@@ -265,6 +267,10 @@ def seed_batches(loader: Any, seed: int, epoch: int) -> bool:
         >>> "__getitems__" in vars(loader.dataset), type(loader.batch_sampler.sampler).__name__
         (False, 'SequentialSampler')
     """
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, SeededDataset) and isinstance(loader, torch.utils.data.DataLoader):
+        dataset._hold(True)  # its samples hold this process's generators, as keyed batches do
+        return False
     if not _batches_seedable(loader):
         return False
     _unskip(loader)  # what skipped the last resumed epoch's first batches
@@ -288,6 +294,10 @@ def seed_batches(loader: Any, seed: int, epoch: int) -> bool:
 
 def _unkey(loader: Any) -> None:
     """Undo :func:`seed_batches`."""
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, SeededDataset) and dataset._holding:
+        dataset._hold(False)
+        _CALLERS.give_back()
     bs = getattr(loader, "batch_sampler", None)
     keys = getattr(bs, "sampler", None)
     if not isinstance(keys, _BatchKeys):

@@ -34,7 +34,9 @@ class SeededDataset(Dataset[Any]):
     Each ``dataset[index]`` runs with torch's CPU generator, Python's ``random`` and (when it is
     imported) NumPy's global generator seeded from ``(seed, epoch, index)``, and restores them
     afterwards (in a ``DataLoader`` worker, whose generators nothing else reads between loads,
-    it leaves them seeded). Random augmentations therefore draw the same numbers for a sample
+    it leaves them seeded; so it does in the training process during a fit, whose end puts
+    the caller's back: the loader's ``collate_fn`` then draws on from the last sample's stream
+    whatever ``num_workers`` is). Random augmentations therefore draw the same numbers for a sample
     whichever worker loads it — the batches do not depend on ``num_workers`` — and a resumed
     run redraws exactly what the uninterrupted one drew.
 
@@ -78,7 +80,18 @@ class SeededDataset(Dataset[Any]):
     def __getitem__(self, key: int | SampleKey | tuple[int, int]) -> Any:
         epoch, index = (key[0], key[1]) if isinstance(key, tuple) else (self.epoch, key)
         seed = derive_seed(self.seed, epoch, index, stream=SAMPLE)
-        return _seeded_call(seed, operator.getitem, self.dataset, index)
+        call = _seeded_batch if self._holding else _seeded_call
+        return call(seed, operator.getitem, self.dataset, index)
+
+    #: whether a fit holds this process's generators for the samples (:meth:`_hold`)
+    _holding = False
+
+    def _hold(self, holding: bool) -> None:
+        """While ``holding`` (a fit over a loader of this dataset), a sample loaded in this
+        process leaves the generators seeded, as in a worker, and the caller's states wait
+        in ``_CALLERS`` for :func:`engine.data.restore_loader`: the ``collate_fn`` draws on
+        from the last sample's stream whatever ``num_workers`` is."""
+        self._holding = holding
 
 
 SAMPLE = 4  # derive_seed stream of per-sample randomness (engine.rng has 0-2; 3 is data order)
