@@ -556,3 +556,39 @@ def test_a_seeded_datasets_random_collate_in_a_fit_does_not_depend_on_num_worker
     before = _states()
     _ = [ds[i] for i in range(4)]
     assert _states() == before
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda dl: eg.data.position_loader(dl, 0, -1), r"position_loader\(skip_batches=-1\)"),
+        (lambda dl: eg.data.position_loader(dl, -1, 0), r"position_loader\(epoch=-1\)"),
+        (lambda dl: eg.data.position_loader(dl, 0, 2.5), r"skip_batches=2.5\): .* int >= 0"),
+        (lambda dl: eg.data.seed_batches(dl, "0", 0), r"seed_batches\(seed='0'\)"),
+        (lambda dl: eg.data.seed_batches(dl, -5, 0), r"seed=-5\): seed must be an int in \[0"),
+        (lambda dl: eg.data.seed_batches(dl, 2**63, 0), r"seed=9223372036854775808\)"),
+        (lambda dl: eg.data.seed_batches(dl, 0, True), r"seed_batches\(epoch=True\)"),
+        (lambda dl: eg.data.seed_shuffle(dl, 1.5, 0), r"seed_shuffle\(seed=1.5\)"),
+        (lambda dl: eg.data.seed_shuffle(dl, 0, -1), r"seed_shuffle\(epoch=-1\)"),
+        (lambda dl: ShuffleSampler(dl.dataset, seed=None), r"ShuffleSampler\(seed=None\)"),
+        (lambda dl: ShuffleSampler(8).set_epoch(-1), r"set_epoch\(epoch=-1\)"),
+        (lambda dl: SeededDataset(dl.dataset, seed=-1), r"SeededDataset\(seed=-1\)"),
+        (lambda dl: SeededDataset(dl.dataset).set_epoch("1"), r"set_epoch\(epoch='1'\)"),
+    ],
+)
+def test_the_data_functions_refuse_bad_seeds_epochs_and_counts_by_name(call, message):
+    dl = plain_loader(0, order="shuffle")
+    with pytest.raises(ValueError, match=message):
+        call(dl)
+    # nothing was changed on the way to the refusal: the loader loads as the user made it
+    assert type(dl.batch_sampler.sampler).__name__ == "RandomSampler"
+    assert "__getitems__" not in vars(dl.dataset) and dl.sampler.generator is None
+
+
+def test_the_data_functions_take_numpy_integers():
+    dl = plain_loader(0, order="shuffle")
+    assert eg.data.seed_shuffle(dl, np.int64(3), np.int32(1))
+    assert eg.data.seed_batches(dl, np.uint32(3), np.int64(1))
+    assert eg.data.position_loader(dl, np.int64(1), np.int64(2))
+    assert len([b for b in dl]) == 4
+    eg.data.restore_loader(dl)

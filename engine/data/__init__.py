@@ -7,6 +7,7 @@ factory); a *datamodule* is any object with ``train_dataloader()`` / ``val_datal
 
 The package, bottom up (each module imports only those above it in this list):
 
+* ``_checks``: argument checks (seeds, epochs, counts) with messages that name the call;
 * ``_wrappers``: the loader-wrapper protocol, what a fit puts around a loader's samplers;
 * ``_sources``: loaders and datamodules resolved, batches counted and limited, lookahead,
   stateful loaders and their JSON state, ``batch_size``;

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.data._checks import SEEDS, check_index
 from engine.data._seeding import _CALLERS, SeededDataset, ShuffleSampler, _seeded_batch
 from engine.data._sharding import _Shard
 from engine.data._sources import stateful
@@ -250,6 +251,9 @@ def seed_batches(loader: Any, seed: int, epoch: int) -> bool:
     dataset, a loader with ``state_dict()``, a dataset without an instance dict, anything but
     a ``DataLoader``.
 
+    Raises:
+        ValueError: if ``seed`` is not an int in ``[0, 2**63)`` or ``epoch`` not one >= 0.
+
     Example:
         >>> from torch.utils.data import DataLoader, Dataset
         >>> from engine.data import restore_loader
@@ -267,6 +271,8 @@ def seed_batches(loader: Any, seed: int, epoch: int) -> bool:
         >>> "__getitems__" in vars(loader.dataset), type(loader.batch_sampler.sampler).__name__
         (False, 'SequentialSampler')
     """
+    seed = check_index("seed_batches", "seed", seed, limit=SEEDS)
+    epoch = check_index("seed_batches", "epoch", epoch)
     dataset = getattr(loader, "dataset", None)
     if isinstance(dataset, SeededDataset) and isinstance(loader, torch.utils.data.DataLoader):
         dataset._hold(True)  # its samples hold this process's generators, as keyed batches do

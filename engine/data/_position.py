@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from engine.data._batch_keys import _BatchKeys, _unkey
+from engine.data._checks import check_index
 from engine.data._seeding import _SEEDED, ShuffleSampler, _random_sampler
 from engine.data._sharding import _shard_of, _ShardBatches, _unshard
 from engine.data._sources import stateful
@@ -74,6 +75,9 @@ def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:
     for a custom batch sampler): ``skip_batches`` counts this rank's batches. Other loaders
     (iterables, iterable datasets, custom batch samplers) cannot skip.
 
+    Raises:
+        ValueError: if ``epoch`` or ``skip_batches`` is not an int >= 0.
+
     Example:
         >>> from torch.utils.data import DataLoader
         >>> loader = DataLoader(range(10), batch_size=4)
@@ -84,6 +88,8 @@ def position_loader(loader: Any, epoch: int, skip_batches: int) -> bool:
         >>> restore_loader(loader); len([b for b in loader])
         3
     """
+    epoch = check_index("position_loader", "epoch", epoch)
+    skip_batches = check_index("position_loader", "skip_batches", skip_batches)
     sampler = getattr(loader, "sampler", None)
     batch_sampler = getattr(loader, "batch_sampler", None)
     if sampler is None and batch_sampler is not None:

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from engine.data._checks import SEEDS, check_index
 from engine.data._sharding import _Shard, _shard_of
 from engine.data._wrappers import _base, _user_batch_sampler
 from engine.rng import derive_seed
@@ -66,12 +67,14 @@ class SeededDataset(Dataset[Any]):
                 f"SeededDataset wraps a map-style dataset (with __getitem__); got "
                 f"{type(dataset).__name__}"
             )
+        seed = check_index("SeededDataset", "seed", seed, limit=SEEDS)
         self.dataset = dataset
         self.seed = seed
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch that plain-int indices belong to."""
+        epoch = check_index("SeededDataset.set_epoch", "epoch", epoch)
         self.epoch = epoch
 
     def __len__(self) -> int:
@@ -203,6 +206,7 @@ class ShuffleSampler(Sampler[int]):
     epoch_order = True
 
     def __init__(self, data_source: Sized | int, *, seed: int = 0, shuffle: bool = True) -> None:
+        seed = check_index("ShuffleSampler", "seed", seed, limit=SEEDS)
         self.n = data_source if isinstance(data_source, int) else len(data_source)
         self.keyed = isinstance(data_source, SeededDataset)
         self.seed = seed
@@ -212,6 +216,7 @@ class ShuffleSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order and start at its beginning."""
+        epoch = check_index("ShuffleSampler.set_epoch", "epoch", epoch)
         self.epoch = epoch
         self.start = 0
 
@@ -292,6 +297,9 @@ def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
     loader) is told the epoch too: its order is ``DistributedSampler(seed=seed)``'s after
     ``set_epoch(epoch)``, the permutation seeded with ``seed + epoch``, as Lightning's.
 
+    Raises:
+        ValueError: if ``seed`` is not an int in ``[0, 2**63)`` or ``epoch`` not one >= 0.
+
     Example:
         >>> import torch
         >>> from torch.utils.data import DataLoader
@@ -308,6 +316,8 @@ def seed_shuffle(loader: Any, seed: int, epoch: int) -> bool:
         >>> loader.sampler.generator is None
         True
     """
+    seed = check_index("seed_shuffle", "seed", seed, limit=SEEDS)
+    epoch = check_index("seed_shuffle", "epoch", epoch)
     shard = _shard_of(loader)
     if isinstance(shard, _Shard):  # a data-parallel training shard: DistributedSampler's order
         shard.set_epoch(seed, epoch)
