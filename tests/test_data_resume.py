@@ -572,6 +572,7 @@ def test_a_seeded_datasets_random_collate_in_a_fit_does_not_depend_on_num_worker
         (lambda dl: eg.data.seed_shuffle(dl, 0, -1), r"seed_shuffle\(epoch=-1\)"),
         (lambda dl: ShuffleSampler(dl.dataset, seed=None), r"ShuffleSampler\(seed=None\)"),
         (lambda dl: ShuffleSampler(8).set_epoch(-1), r"set_epoch\(epoch=-1\)"),
+        (lambda dl: ShuffleSampler(-3), r"ShuffleSampler\(data_source=-3\)"),
         (lambda dl: SeededDataset(dl.dataset, seed=-1), r"SeededDataset\(seed=-1\)"),
         (lambda dl: SeededDataset(dl.dataset).set_epoch("1"), r"set_epoch\(epoch='1'\)"),
     ],
@@ -592,3 +593,9 @@ def test_the_data_functions_take_numpy_integers():
     assert eg.data.position_loader(dl, np.int64(1), np.int64(2))
     assert len([b for b in dl]) == 4
     eg.data.restore_loader(dl)
+
+
+def test_a_shuffle_sampler_takes_only_a_bool_for_shuffle():
+    with pytest.raises(TypeError, match=r"ShuffleSampler\(shuffle='no'\): .* True or False"):
+        ShuffleSampler(8, shuffle="no")
+    assert list(ShuffleSampler(4, shuffle=False)) == [0, 1, 2, 3]

@@ -207,6 +207,10 @@ class ShuffleSampler(Sampler[int]):
 
     def __init__(self, data_source: Sized | int, *, seed: int = 0, shuffle: bool = True) -> None:
         seed = check_index("ShuffleSampler", "seed", seed, limit=SEEDS)
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"ShuffleSampler(shuffle={shuffle!r}): shuffle must be True or False")
+        if isinstance(data_source, int):
+            check_index("ShuffleSampler", "data_source", data_source)  # a count of samples
         self.n = data_source if isinstance(data_source, int) else len(data_source)
         self.keyed = isinstance(data_source, SeededDataset)
         self.seed = seed
