@@ -309,6 +309,16 @@ class EventRecord:
 # ---------------------------------------------------------------------------- requests
 
 
+def _text(request: str) -> Callable[[Any, Any, Any], None]:
+    """A validator refusing a field that is not a str, naming the request and the field."""
+
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if not isinstance(value, str):
+            raise TypeError(f"{request}({attribute.name}={value!r}): pass a str")
+
+    return check
+
+
 @attrs.frozen
 class Stop:
     """A listener's request to stop fitting (Lightning's ``trainer.should_stop = True``).
@@ -318,7 +328,7 @@ class Stop:
     ``rec.run.should_stop``), before it writes any checkpoint asked for in the same event.
     """
 
-    reason: str = ""
+    reason: str = attrs.field(default="", validator=_text("Stop"))
 
 
 def _path(value: Any) -> str:
@@ -465,7 +475,7 @@ class Transition:
     """
 
     fn: Callable[[TrainState], TrainState] = attrs.field(validator=_callable)
-    name: str = ""
+    name: str = attrs.field(default="", validator=_text("Transition"))
 
 
 class Trials(Protocol):

@@ -276,6 +276,11 @@ def test_requests_check_their_arguments():
     with pytest.raises(ValueError, match="int >= 0"):
         eg.Log({"a": 1.0}, step=-1)
     assert eg.Log({"a": 1}).metrics == {"a": 1.0}
+    with pytest.raises(TypeError, match=r"Stop\(reason=5\): pass a str"):
+        eg.Stop(5)
+    with pytest.raises(TypeError, match=r"Transition\(name=3\): pass a str"):
+        eg.Transition(lambda s: s, name=3)
+    assert eg.Stop().reason == "" and eg.Transition(lambda s: s, name="t").name == "t"
 
 
 def test_a_request_shows_in_the_views_of_the_next_batch():
