@@ -52,10 +52,9 @@ class _BatchKeys(_Wrapper):
         return self.iter_from(0)
 
     def iter_from(self, batches: int) -> Iterator[Any]:
-        """``islice(iter(self), batches * batch_size, None)`` without keying the skipped
-        batches: their indices are drawn from the sampler (whatever generator it draws from
-        moves on as in a whole pass) and dropped (the skip of a resumed epoch's first
-        batches, ``_position._SkipFirst``)."""
+        """This pass without its first ``batches`` batches, without keying them: their
+        indices are drawn from the sampler (whatever generator it draws from moves on as in a
+        whole pass) and dropped, and the kept batches' positions are the whole pass's."""
         seed, epoch, size = self.seed, self.epoch, self.batch_sampler.batch_size
         s, position, stride = self.sampler, 0, size
         if isinstance(s, _Shard):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.data._batch_keys import _BatchKeys, _unkey
+from engine.data._batch_keys import _unkey
 from engine.data._checks import check_index
 from engine.data._seeding import _SEEDED, ShuffleSampler, _random_sampler
 from engine.data._sharding import _shard_of, _ShardBatches, _unshard
@@ -37,8 +37,8 @@ class _SkipFirst(_Wrapper):
     def __iter__(self) -> Iterator[Any]:
         self.batch_sampler.sampler = self.sampler  # one pass only
         size = self.batch_sampler.batch_size
-        if isinstance(self.sampler, _BatchKeys) and self.skip % size == 0:
-            return self.sampler.iter_from(self.skip // size)  # the skipped ones unkeyed
+        if isinstance(self.sampler, _Wrapper) and self.skip % size == 0:
+            return self.sampler.iter_from(self.skip // size)  # batch keys: skipped unkeyed
         return itertools.islice(iter(self.sampler), self.skip, None)
 
     def __len__(self) -> int:  # the whole epoch's, as ShuffleSampler's during a resumed epoch

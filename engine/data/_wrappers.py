@@ -10,6 +10,8 @@ the chain without importing them.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from torch.utils.data import Sampler
@@ -23,6 +25,11 @@ class _Wrapper(Sampler[Any]):
     sampler: Any
     #: it puts ``sampler`` back in its place when iterated (one pass only)
     one_pass: ClassVar[bool] = False
+
+    def iter_from(self, batches: int) -> Iterator[Any]:
+        """This pass without its first ``batches`` batches (the skip of a resumed epoch); a
+        wrapper that can drop them for less than drawing them through itself says how."""
+        return itertools.islice(iter(self), batches * self.batch_sampler.batch_size, None)
 
 
 class _WrappedBatches(Sampler[Any]):
